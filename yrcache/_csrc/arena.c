@@ -1,0 +1,960 @@
+/* yrcache DRAM arena: see arena.h and docs/architecture.md.
+ *
+ * Layout of the mapping (all offsets from its base):
+ *   [hdr_t][buckets: u64 x nbuckets][procs: proc_t x nprocs][pins: pin_t x npins][heap]
+ * The heap is a sequence of blocks, each starting with a 128-byte blk_t; a
+ * block's size is a multiple of 64 so payloads are 64-byte aligned.  Free
+ * blocks sit on segregated lists (one per power of two) and are coalesced
+ * with their neighbours on free, so fragmentation never hides space that a
+ * merge could recover.
+ *
+ * Crash safety: the heap stays walkable at every instant (a split writes the
+ * new remainder header before it shrinks the block; a merge only grows a free
+ * block), so a survivor that inherits the robust mutex with EOWNERDEAD can
+ * rebuild every derived structure (free lists, hash chains, pin counts,
+ * accounting) from the blocks alone: see recover_locked(). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "arena.h"
+
+#define MAGIC       0x3145484341435259ULL /* "YRCACHE1" little endian */
+#define LAYOUT      1
+#define ALIGN       64
+#define BLK_HDR     128
+#define MIN_BLOCK   128
+#define NCLASSES    58
+#define NNOTIFY     16
+#define NUSER       16
+#define SCAN_LIMIT  64
+
+enum { ST_FREE = 0x0F, ST_RESERVED = 0x1E, ST_LIVE = 0x2D, ST_ORPHAN = 0x3C };
+enum { C_HITS, C_MISSES, C_PUTS, C_DELETES, C_SPILLS, C_PROMOTIONS, C_EVICTIONS,
+       C_RECOVERIES, C_NCOUNTERS = 16 };
+
+typedef struct {
+    uint64_t size;        /* whole block, header included */
+    uint64_t prev_size;   /* physically previous block, 0 for the first */
+    uint32_t state;
+    uint32_t owner;       /* process slot that reserved it */
+    uint32_t pins;        /* pin records pointing here */
+    uint32_t klen;
+    uint64_t next;        /* free list link, or hash chain link when live */
+    uint64_t prev;        /* free list back link */
+    uint64_t hash;
+    uint64_t seq;
+    uint64_t nbytes;
+    uint32_t mlen;
+    uint32_t payload_rel; /* payload offset from the block start */
+    int64_t  priority;
+    double   expire_at;
+    uint64_t access_count;
+    double   last_access;
+    uint64_t aux[2];      /* reserved for tier bookkeeping */
+} blk_t;
+
+typedef struct {
+    uint32_t pid;
+    uint32_t state;
+    uint64_t starttime;
+    uint32_t is_owner;
+    uint32_t pins;
+} proc_t;
+
+typedef struct {
+    uint64_t block_off;   /* 0: free record */
+    uint32_t slot;
+    uint32_t next_free;
+} pin_t;
+
+typedef struct {
+    uint64_t magic, layout, size;
+    uint64_t nbuckets, buckets_off;
+    uint64_t procs_off, pins_off;
+    uint64_t heap_off, heap_size;
+    uint32_t nprocs, npins;
+    uint64_t seq;
+    uint64_t used, objects, orphans, reserved, pinned_bytes;
+    uint64_t counters[C_NCOUNTERS];
+    uint64_t freehead[NCLASSES];
+    uint64_t free_bitmap;
+    uint32_t pin_free;    /* head of the free pin stack, 0 when empty */
+    uint32_t pad0;
+    uint32_t notify[NNOTIFY];
+    uint64_t user[NUSER];
+    char     lockpad[0] __attribute__((aligned(64)));
+    pthread_mutex_t lock;
+} hdr_t;
+
+_Static_assert(sizeof(blk_t) == BLK_HDR, "block header must be 128 bytes");
+
+#define H(base)        ((hdr_t *)(base))
+#define AT(base, off)  ((blk_t *)((char *)(base) + (off)))
+#define BUCKETS(h)     ((uint64_t *)((char *)(h) + (h)->buckets_off))
+#define PROCS(h)       ((proc_t *)((char *)(h) + (h)->procs_off))
+#define PINS(h)        ((pin_t *)((char *)(h) + (h)->pins_off))
+#define KEY(b)         ((char *)(b) + BLK_HDR)
+
+static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) & ~(a - 1); }
+
+static double now_realtime(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* 64-bit FNV-1a followed by a murmur finaliser to spread the low bits. */
+static uint64_t hash_key(const char *k, uint32_t n) {
+    uint64_t h = 0xcbf29ce484222325ULL;
+    for (uint32_t i = 0; i < n; i++) { h ^= (unsigned char)k[i]; h *= 0x100000001b3ULL; }
+    h ^= h >> 33; h *= 0xff51afd7ed558ccdULL; h ^= h >> 33;
+    return h;
+}
+
+static inline int size_class(uint64_t size) {
+    uint64_t units = size / ALIGN;
+    int c = 63 - __builtin_clzll(units);
+    return c < NCLASSES ? c : NCLASSES - 1;
+}
+
+/* ---------------------------------------------------------------- locking */
+
+static void recover_locked(hdr_t *h);
+
+static int lock(hdr_t *h) {
+    int r = pthread_mutex_lock(&h->lock);
+    if (r == EOWNERDEAD) {
+        /* The previous holder died inside a critical section: rebuild all
+         * derived state from the (always walkable) heap, then carry on. */
+        recover_locked(h);
+        h->counters[C_RECOVERIES]++;
+        pthread_mutex_consistent(&h->lock);
+        return 0;
+    }
+    return r == 0 ? 0 : YR_ELOCK;
+}
+
+static inline void unlock(hdr_t *h) { pthread_mutex_unlock(&h->lock); }
+
+/* ------------------------------------------------------------- free lists */
+
+static void fl_insert(hdr_t *h, uint64_t off) {
+    blk_t *b = AT(h, off);
+    int c = size_class(b->size);
+    b->prev = 0;
+    b->next = h->freehead[c];
+    if (b->next) AT(h, b->next)->prev = off;
+    h->freehead[c] = off;
+    h->free_bitmap |= 1ULL << c;
+}
+
+static void fl_remove(hdr_t *h, uint64_t off) {
+    blk_t *b = AT(h, off);
+    int c = size_class(b->size);
+    if (b->prev) AT(h, b->prev)->next = b->next; else h->freehead[c] = b->next;
+    if (b->next) AT(h, b->next)->prev = b->prev;
+    if (!h->freehead[c]) h->free_bitmap &= ~(1ULL << c);
+    b->next = b->prev = 0;
+}
+
+static inline uint64_t heap_end(hdr_t *h) { return h->heap_off + h->heap_size; }
+
+static void set_next_prev_size(hdr_t *h, uint64_t off) {
+    blk_t *b = AT(h, off);
+    uint64_t nxt = off + b->size;
+    if (nxt < heap_end(h)) AT(h, nxt)->prev_size = b->size;
+}
+
+/* Find a free block of at least `need` bytes, take it off its list, split
+ * off the tail if it is big enough to stand alone.  Returns 0 when none. */
+static uint64_t alloc_block(hdr_t *h, uint64_t need) {
+    int c = size_class(need);
+    uint64_t found = 0;
+    /* First fit in the exact class, a bounded number of probes... */
+    int probes = 0;
+    for (uint64_t off = h->freehead[c]; off && probes < SCAN_LIMIT; off = AT(h, off)->next, probes++)
+        if (AT(h, off)->size >= need) { found = off; break; }
+    /* ...then any block of a larger class fits by construction... */
+    if (!found) {
+        uint64_t mask = (c + 1 < 64) ? (h->free_bitmap & ~((2ULL << c) - 1)) : 0;
+        if (mask) found = h->freehead[__builtin_ctzll(mask)];
+    }
+    /* ...and only then an exhaustive scan, so a fit is never missed. */
+    if (!found)
+        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next)
+            if (AT(h, off)->size >= need) { found = off; break; }
+    if (!found) return 0;
+    fl_remove(h, found);
+    blk_t *b = AT(h, found);
+    uint64_t rest = b->size - need;
+    if (rest >= MIN_BLOCK) {
+        /* Write the remainder before shrinking b: the heap stays walkable. */
+        uint64_t roff = found + need;
+        blk_t *r = AT(h, roff);
+        memset(r, 0, BLK_HDR);
+        r->size = rest;
+        r->prev_size = need;
+        r->state = ST_FREE;
+        set_next_prev_size(h, roff);
+        __atomic_store_n(&b->size, need, __ATOMIC_RELEASE);
+        fl_insert(h, roff);
+    }
+    h->used += b->size;
+    return found;
+}
+
+/* Return a block to the heap, merging with free neighbours. */
+static void free_block(hdr_t *h, uint64_t off) {
+    blk_t *b = AT(h, off);
+    h->used -= b->size;
+    b->state = ST_FREE;
+    b->pins = 0;
+    b->klen = 0;
+    uint64_t nxt = off + b->size;
+    if (nxt < heap_end(h) && AT(h, nxt)->state == ST_FREE) {
+        fl_remove(h, nxt);
+        b->size += AT(h, nxt)->size;
+    }
+    if (b->prev_size) {
+        uint64_t poff = off - b->prev_size;
+        blk_t *p = AT(h, poff);
+        if (p->state == ST_FREE) {
+            fl_remove(h, poff);
+            p->size += b->size;
+            off = poff;
+            b = p;
+        }
+    }
+    set_next_prev_size(h, off);
+    fl_insert(h, off);
+}
+
+/* ------------------------------------------------------------------ index */
+
+static inline int key_eq(blk_t *b, uint64_t hash, const char *k, uint32_t n) {
+    return b->hash == hash && b->klen == n && memcmp(KEY(b), k, n) == 0;
+}
+
+/* Returns the bucket slot that points at the matching block (so the caller
+ * can unlink it), or NULL. */
+static uint64_t *find_slot(hdr_t *h, uint64_t hash, const char *k, uint32_t n) {
+    uint64_t *slot = &BUCKETS(h)[hash & (h->nbuckets - 1)];
+    while (*slot) {
+        blk_t *b = AT(h, *slot);
+        if (key_eq(b, hash, k, n)) return slot;
+        slot = &b->next;
+    }
+    return NULL;
+}
+
+static void unpin_locked(hdr_t *h, uint32_t pin);
+
+/* Take a live block out of the index; free it unless a view still pins it. */
+static void retire_locked(hdr_t *h, uint64_t *slot) {
+    uint64_t off = *slot;
+    blk_t *b = AT(h, off);
+    *slot = b->next;
+    b->next = 0;
+    h->objects--;
+    if (b->pins) {
+        b->state = ST_ORPHAN;
+        h->orphans++;
+    } else {
+        free_block(h, off);
+    }
+}
+
+static inline int expired(blk_t *b, double now) {
+    return b->expire_at != 0.0 && now >= b->expire_at;
+}
+
+/* ----------------------------------------------------------------- pins */
+
+static int pin_locked(hdr_t *h, uint32_t slot, uint64_t off) {
+    uint32_t p = h->pin_free;
+    if (!p) return YR_ENOPINS;
+    pin_t *pr = &PINS(h)[p];
+    h->pin_free = pr->next_free;
+    pr->slot = slot;
+    pr->next_free = 0;
+    __atomic_store_n(&pr->block_off, off, __ATOMIC_RELEASE);
+    blk_t *b = AT(h, off);
+    if (b->pins++ == 0) h->pinned_bytes += b->size;
+    PROCS(h)[slot].pins++;
+    return (int)p;
+}
+
+static void unpin_locked(hdr_t *h, uint32_t p) {
+    pin_t *pr = &PINS(h)[p];
+    uint64_t off = pr->block_off;
+    if (!off) return;
+    blk_t *b = AT(h, off);
+    if (PROCS(h)[pr->slot].pins) PROCS(h)[pr->slot].pins--;
+    pr->block_off = 0;
+    pr->next_free = h->pin_free;
+    h->pin_free = p;
+    if (b->pins && --b->pins == 0) {
+        h->pinned_bytes -= b->size;
+        if (b->state == ST_ORPHAN) {
+            h->orphans--;
+            free_block(h, off);
+        }
+    }
+}
+
+/* ----------------------------------------------------------------- init */
+
+uint64_t yr_arena_min_size(void) { return 1 << 20; }
+
+int yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins) {
+    hdr_t *h = H(base);
+    if (size < yr_arena_min_size() || nprocs < 2 || npins < 2) return YR_EBADARENA;
+    memset(h, 0, sizeof(hdr_t));
+    uint64_t nb = 1024;
+    while (nb < size / 8192 && nb < (1ULL << 30)) nb <<= 1;
+    h->nbuckets = nb;
+    h->buckets_off = align_up(sizeof(hdr_t), ALIGN);
+    h->procs_off = align_up(h->buckets_off + nb * 8, ALIGN);
+    h->pins_off = align_up(h->procs_off + (uint64_t)nprocs * sizeof(proc_t), ALIGN);
+    h->heap_off = align_up(h->pins_off + (uint64_t)npins * sizeof(pin_t), 4096);
+    if (h->heap_off + 4 * MIN_BLOCK > size) return YR_EBADARENA;
+    h->heap_size = (size - h->heap_off) & ~(uint64_t)(ALIGN - 1);
+    h->size = size;
+    h->nprocs = nprocs;
+    h->npins = npins;
+    memset(BUCKETS(h), 0, nb * 8);
+    memset(PROCS(h), 0, (uint64_t)nprocs * sizeof(proc_t));
+    pin_t *pins = PINS(h);
+    memset(pins, 0, (uint64_t)npins * sizeof(pin_t));
+    for (uint32_t i = 1; i < npins; i++) pins[i].next_free = (i + 1 < npins) ? i + 1 : 0;
+    h->pin_free = 1;
+    blk_t *b = AT(h, h->heap_off);
+    memset(b, 0, BLK_HDR);
+    b->size = h->heap_size;
+    b->state = ST_FREE;
+    fl_insert(h, h->heap_off);
+
+    pthread_mutexattr_t a;
+    pthread_mutexattr_init(&a);
+    pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+    int r = pthread_mutex_init(&h->lock, &a);
+    pthread_mutexattr_destroy(&a);
+    if (r) return YR_ELOCK;
+    h->layout = LAYOUT;
+    __atomic_store_n(&h->magic, MAGIC, __ATOMIC_RELEASE); /* last: marks it ready */
+    return YR_OK;
+}
+
+int yr_arena_check(void *base, uint64_t size) {
+    hdr_t *h = H(base);
+    if (size < sizeof(hdr_t)) return YR_EBADARENA;
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != MAGIC) return YR_EBADARENA;
+    if (h->layout != LAYOUT || h->size > size) return YR_EBADARENA;
+    return YR_OK;
+}
+
+uint64_t yr_arena_size(void *base) { return H(base)->size; }
+
+/* ------------------------------------------------------------ processes */
+
+int yr_proc_attach(void *base, uint32_t pid, uint64_t starttime, uint32_t is_owner) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int found = YR_ENOPROCS;
+    proc_t *p = PROCS(h);
+    for (uint32_t i = 1; i < h->nprocs; i++) {  /* slot 0 means "nobody" */
+        if (p[i].state == 0) {
+            p[i].pid = pid;
+            p[i].starttime = starttime;
+            p[i].is_owner = is_owner;
+            p[i].pins = 0;
+            p[i].state = 1;
+            found = (int)i;
+            break;
+        }
+    }
+    unlock(h);
+    return found;
+}
+
+/* Drop everything a slot holds: pins, and blocks it reserved for a put. */
+static void release_slot_locked(hdr_t *h, uint32_t slot) {
+    pin_t *pins = PINS(h);
+    for (uint32_t i = 1; i < h->npins; i++)
+        if (pins[i].block_off && pins[i].slot == slot) unpin_locked(h, i);
+    uint64_t off = h->heap_off;
+    while (off < heap_end(h)) {
+        blk_t *b = AT(h, off);
+        if (b->state == ST_RESERVED && b->owner == slot) {
+            /* free_block may merge into the previous free block: continue
+             * after whichever block now covers `off`. */
+            uint64_t start = off;
+            if (b->prev_size && AT(h, off - b->prev_size)->state == ST_FREE) start = off - b->prev_size;
+            h->reserved--;
+            free_block(h, off);
+            off = start;
+        }
+        off += AT(h, off)->size;
+    }
+    memset(&PROCS(h)[slot], 0, sizeof(proc_t));
+}
+
+int yr_proc_detach(void *base, uint32_t slot) {
+    hdr_t *h = H(base);
+    if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
+    if (lock(h)) return YR_ELOCK;
+    release_slot_locked(h, slot);
+    unlock(h);
+    return YR_OK;
+}
+
+int yr_proc_list(void *base, yr_procinfo *out, uint32_t max) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    uint32_t n = 0;
+    proc_t *p = PROCS(h);
+    for (uint32_t i = 0; i < h->nprocs && n < max; i++) {
+        out[n].pid = p[i].pid;
+        out[n].state = p[i].state;
+        out[n].starttime = p[i].starttime;
+        out[n].is_owner = p[i].is_owner;
+        out[n].pins = p[i].pins;
+        n++;
+    }
+    unlock(h);
+    return (int)n;
+}
+
+uint32_t yr_proc_count(void *base) {
+    hdr_t *h = H(base);
+    uint32_t n = 0;
+    for (uint32_t i = 1; i < h->nprocs; i++) n += PROCS(h)[i].state != 0;
+    return n;
+}
+
+int yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime) {
+    hdr_t *h = H(base);
+    if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
+    if (lock(h)) return YR_ELOCK;
+    proc_t *p = &PROCS(h)[slot];
+    int r = YR_ESTATE;
+    if (p->state && p->pid == pid && p->starttime == starttime) {
+        release_slot_locked(h, slot);
+        r = YR_OK;
+    }
+    unlock(h);
+    return r;
+}
+
+/* ------------------------------------------------------------------ puts */
+
+static uint64_t block_need(uint32_t klen, uint32_t mlen, uint64_t nbytes, uint32_t *prel) {
+    uint64_t rel = align_up(BLK_HDR + (uint64_t)klen + mlen, ALIGN);
+    *prel = (uint32_t)rel;
+    uint64_t need = align_up(rel + nbytes, ALIGN);
+    return need < MIN_BLOCK ? MIN_BLOCK : need;
+}
+
+static int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
+                              const char *meta, uint32_t mlen, uint64_t nbytes,
+                              int64_t priority, double expire_at) {
+    uint32_t rel;
+    if (nbytes > h->heap_size) return YR_ETOOBIG;
+    uint64_t need = block_need(klen, mlen, nbytes, &rel);
+    if (need > h->heap_size) return YR_ETOOBIG;
+    uint64_t off = alloc_block(h, need);
+    if (!off) return YR_ENOSPC;
+    blk_t *b = AT(h, off);
+    b->owner = slot;
+    b->pins = 0;
+    b->klen = klen;
+    b->next = b->prev = 0;
+    b->hash = hash_key(key, klen);
+    b->seq = 0;
+    b->nbytes = nbytes;
+    b->mlen = mlen;
+    b->payload_rel = rel;
+    b->priority = priority;
+    b->expire_at = expire_at;
+    b->access_count = 0;
+    b->last_access = now_realtime();
+    memcpy(KEY(b), key, klen);
+    memcpy(KEY(b) + klen, meta, mlen);
+    b->state = ST_RESERVED;
+    h->reserved++;
+    return (int64_t)off;
+}
+
+int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen,
+                   const char *meta, uint32_t mlen, uint64_t nbytes,
+                   int64_t priority, double expire_at, uint64_t *payload_off) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, priority, expire_at);
+    unlock(h);
+    if (off > 0) *payload_off = (uint64_t)off + AT(h, off)->payload_rel;
+    return off;
+}
+
+static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off) {
+    blk_t *b = AT(h, off);
+    if (b->state != ST_RESERVED || b->owner != slot) return YR_ESTATE;
+    uint64_t *old = find_slot(h, b->hash, KEY(b), b->klen);
+    if (old) retire_locked(h, old);
+    uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
+    b->seq = ++h->seq;
+    b->next = *bucket;
+    b->state = ST_LIVE;
+    *bucket = off;   /* the object becomes visible here, atomically */
+    h->reserved--;
+    h->objects++;
+    h->counters[C_PUTS]++;
+    return YR_OK;
+}
+
+int yr_commit(void *base, uint32_t slot, uint64_t off) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int r = commit_locked(h, slot, off);
+    unlock(h);
+    return r;
+}
+
+int yr_abort(void *base, uint32_t slot, uint64_t off) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int r = YR_ESTATE;
+    blk_t *b = AT(h, off);
+    if (b->state == ST_RESERVED && b->owner == slot) {
+        h->reserved--;
+        free_block(h, off);
+        r = YR_OK;
+    }
+    unlock(h);
+    return r;
+}
+
+int yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen,
+                 const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
+                 int64_t priority, double expire_at) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, priority, expire_at);
+    if (off > 0) {
+        blk_t *b = AT(h, off);
+        memcpy((char *)b + b->payload_rel, data, nbytes);
+        commit_locked(h, slot, (uint64_t)off);
+        off = 0;
+    }
+    unlock(h);
+    return (int)off;
+}
+
+/* ------------------------------------------------------------------ gets */
+
+static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, int pin,
+                      double now, yr_objinfo *out) {
+    uint64_t hash = hash_key(key, klen);
+    uint64_t *s = find_slot(h, hash, key, klen);
+    if (!s) { h->counters[C_MISSES]++; return YR_ENOTFOUND; }
+    blk_t *b = AT(h, *s);
+    if (expired(b, now)) {
+        retire_locked(h, s);
+        h->counters[C_MISSES]++;
+        return YR_ENOTFOUND;
+    }
+    uint64_t off = *s;
+    out->pin = 0;
+    if (pin) {
+        int p = pin_locked(h, slot, off);
+        if (p < 0) return p;
+        out->pin = (uint32_t)p;
+    }
+    b->access_count++;
+    b->last_access = now;
+    h->counters[C_HITS]++;
+    out->block_off = off;
+    out->payload_off = off + b->payload_rel;
+    out->nbytes = b->nbytes;
+    out->meta_off = off + BLK_HDR + b->klen;
+    out->meta_len = b->mlen;
+    out->priority = b->priority;
+    out->expire_at = b->expire_at;
+    out->access_count = b->access_count;
+    out->seq = b->seq;
+    return YR_OK;
+}
+
+int yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int pin, yr_objinfo *out) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int r = get_locked(h, slot, key, klen, pin, now, out);
+    unlock(h);
+    return r;
+}
+
+int yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
+            uint32_t n, int pin, yr_objinfo *out, int32_t *found) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int hits = 0, err = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        int r = get_locked(h, slot, keys, klens[i], pin, now, &out[i]);
+        if (r == YR_ENOPINS) {  /* undo the pins taken so far */
+            for (uint32_t j = 0; j < i; j++) if (found[j]) unpin_locked(h, out[j].pin);
+            err = r;
+            break;
+        }
+        found[i] = r == YR_OK;
+        hits += found[i];
+        keys += klens[i];
+    }
+    unlock(h);
+    return err ? err : hits;
+}
+
+int yr_unpin(void *base, uint32_t pin) {
+    hdr_t *h = H(base);
+    if (pin == 0 || pin >= h->npins) return YR_ESTATE;
+    if (lock(h)) return YR_ELOCK;
+    unpin_locked(h, pin);
+    unlock(h);
+    return YR_OK;
+}
+
+int yr_pin_block(void *base, uint32_t slot, uint64_t off) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int r = YR_ESTATE;
+    uint32_t st = AT(h, off)->state;
+    if (st == ST_LIVE || st == ST_ORPHAN) r = pin_locked(h, slot, off);
+    unlock(h);
+    return r;
+}
+
+int yr_delete(void *base, const char *key, uint32_t klen) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    uint64_t hash = hash_key(key, klen);
+    if (lock(h)) return YR_ELOCK;
+    uint64_t *s = find_slot(h, hash, key, klen);
+    int r = YR_ENOTFOUND;
+    if (s) {
+        r = expired(AT(h, *s), now) ? YR_ENOTFOUND : YR_OK;
+        retire_locked(h, s);
+        if (r == YR_OK) h->counters[C_DELETES]++;
+    }
+    unlock(h);
+    return r;
+}
+
+int yr_contains(void *base, const char *key, uint32_t klen) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    uint64_t hash = hash_key(key, klen);
+    if (lock(h)) return YR_ELOCK;
+    uint64_t *s = find_slot(h, hash, key, klen);
+    int r = s && !expired(AT(h, *s), now);
+    unlock(h);
+    return r;
+}
+
+int yr_touch(void *base, const char *key, uint32_t klen, double expire_at,
+             int64_t priority, int set_priority) {
+    hdr_t *h = H(base);
+    uint64_t hash = hash_key(key, klen);
+    if (lock(h)) return YR_ELOCK;
+    uint64_t *s = find_slot(h, hash, key, klen);
+    int r = YR_ENOTFOUND;
+    if (s) {
+        blk_t *b = AT(h, *s);
+        if (expire_at >= 0) b->expire_at = expire_at;
+        if (set_priority) b->priority = priority;
+        r = YR_OK;
+    }
+    unlock(h);
+    return r;
+}
+
+int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
+                const char *prefix, uint32_t plen) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int64_t n = 0;
+    uint64_t pos = 0, i = *cursor;
+    for (; i < h->nbuckets; i++) {
+        /* A bucket is written whole or not at all, so a resumed scan never
+         * repeats a key. */
+        uint64_t need = 0, cnt = 0;
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now)) {
+                need += 4 + b->klen;
+                cnt++;
+            }
+        }
+        if (!cnt) continue;
+        if (pos + need > buflen) {
+            if (n == 0) { unlock(h); return -(int64_t)need - 1000; }
+            break;
+        }
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now)) {
+                memcpy(buf + pos, &b->klen, 4);
+                memcpy(buf + pos + 4, KEY(b), b->klen);
+                pos += 4 + b->klen;
+                n++;
+            }
+        }
+    }
+    *cursor = i < h->nbuckets ? i : 0;
+    unlock(h);
+    return n;
+}
+
+/* ----------------------------------------------------------------- stats */
+
+int yr_get_stats(void *base, yr_stats *out) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    out->capacity = h->heap_size;
+    out->used = h->used;
+    out->objects = h->objects;
+    out->orphans = h->orphans;
+    out->reserved = h->reserved;
+    out->pinned_bytes = h->pinned_bytes;
+    out->free_bytes = h->heap_size - h->used;
+    out->largest_free = 0;
+    if (h->free_bitmap) {
+        int c = 63 - __builtin_clzll(h->free_bitmap);
+        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next)
+            if (AT(h, off)->size > out->largest_free) out->largest_free = AT(h, off)->size;
+    }
+    out->hits = h->counters[C_HITS];
+    out->misses = h->counters[C_MISSES];
+    out->puts = h->counters[C_PUTS];
+    out->deletes = h->counters[C_DELETES];
+    out->spills = h->counters[C_SPILLS];
+    out->promotions = h->counters[C_PROMOTIONS];
+    out->evictions = h->counters[C_EVICTIONS];
+    out->recoveries = h->counters[C_RECOVERIES];
+    out->procs = 0;
+    for (uint32_t i = 1; i < h->nprocs; i++) out->procs += PROCS(h)[i].state != 0;
+    unlock(h);
+    return YR_OK;
+}
+
+void yr_count(void *base, int which, uint64_t n) {
+    hdr_t *h = H(base);
+    if (which < 0 || which >= C_NCOUNTERS) return;
+    __atomic_fetch_add(&h->counters[which], n, __ATOMIC_RELAXED);
+}
+
+int yr_expire(void *base, double now) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int n = 0;
+    for (uint64_t i = 0; i < h->nbuckets; i++) {
+        uint64_t *s = &BUCKETS(h)[i];
+        while (*s) {
+            if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
+            else s = &AT(h, *s)->next;
+        }
+    }
+    unlock(h);
+    return n;
+}
+
+/* -------------------------------------------------------------- recovery */
+
+static void recover_locked(hdr_t *h) {
+    uint64_t end = heap_end(h);
+    /* 1. Pin counts from the pin table (the only source of truth). */
+    for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) AT(h, off)->pins = 0;
+    pin_t *pins = PINS(h);
+    for (uint32_t i = 0; i < h->nprocs; i++) PROCS(h)[i].pins = 0;
+    h->pin_free = 0;
+    for (uint32_t i = h->npins - 1; i >= 1; i--) {
+        if (pins[i].block_off) {
+            blk_t *b = AT(h, pins[i].block_off);
+            if (b->state == ST_LIVE || b->state == ST_ORPHAN) {
+                b->pins++;
+                PROCS(h)[pins[i].slot].pins++;
+                continue;
+            }
+            pins[i].block_off = 0;
+        }
+        pins[i].next_free = h->pin_free;
+        h->pin_free = i;
+    }
+    /* 2. The index from live blocks; of two live copies of a key (death
+     *    between retiring the old object and publishing the new one), the
+     *    newer sequence number wins. */
+    memset(BUCKETS(h), 0, h->nbuckets * 8);
+    h->objects = h->orphans = h->reserved = h->pinned_bytes = h->used = 0;
+    for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) {
+        blk_t *b = AT(h, off);
+        if (b->state != ST_LIVE) continue;
+        uint64_t *s = find_slot(h, b->hash, KEY(b), b->klen);
+        if (s) {
+            blk_t *o = AT(h, *s);
+            if (o->seq > b->seq) { b->state = ST_ORPHAN; continue; }
+            *s = o->next;
+            o->state = ST_ORPHAN;
+            h->objects--;
+        }
+        uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
+        b->next = *bucket;
+        *bucket = off;
+        h->objects++;
+        if (b->seq > h->seq) h->seq = b->seq;
+    }
+    /* 3. Free lists and accounting, merging free runs. */
+    memset(h->freehead, 0, sizeof(h->freehead));
+    h->free_bitmap = 0;
+    uint64_t prev = 0, prev_size = 0;
+    for (uint64_t off = h->heap_off; off < end;) {
+        blk_t *b = AT(h, off);
+        if (b->state == ST_ORPHAN && b->pins == 0) b->state = ST_FREE;
+        if (b->state == ST_FREE && prev && AT(h, prev)->state == ST_FREE) {
+            AT(h, prev)->size += b->size;
+            off = prev + AT(h, prev)->size;
+            continue;
+        }
+        if (prev && AT(h, prev)->state == ST_FREE) fl_insert(h, prev);
+        b->prev_size = prev_size;
+        if (b->state != ST_FREE) {
+            h->used += b->size;
+            if (b->state == ST_ORPHAN) h->orphans++;
+            if (b->state == ST_RESERVED) h->reserved++;
+            if (b->pins) h->pinned_bytes += b->size;
+        }
+        prev = off;
+        prev_size = b->size;
+        off += b->size;
+    }
+    if (prev && AT(h, prev)->state == ST_FREE) fl_insert(h, prev);
+}
+
+int yr_recover(void *base) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    recover_locked(h);
+    unlock(h);
+    return YR_OK;
+}
+
+int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    uint64_t end = heap_end(h), used = 0, objects = 0, orphans = 0, prev_size = 0, nfree = 0;
+    int prev_free = 0, bad = 0;
+    for (uint64_t off = h->heap_off; off < end && !bad; off += AT(h, off)->size) {
+        blk_t *b = AT(h, off);
+        if (b->size < MIN_BLOCK || (b->size & (ALIGN - 1)) || off + b->size > end) {
+            snprintf(msg, msglen, "bad block size %llu at %llu", (unsigned long long)b->size,
+                     (unsigned long long)off);
+            bad = 1; break;
+        }
+        if (b->prev_size != prev_size) {
+            snprintf(msg, msglen, "prev_size %llu != %llu at %llu", (unsigned long long)b->prev_size,
+                     (unsigned long long)prev_size, (unsigned long long)off);
+            bad = 1; break;
+        }
+        if (b->state == ST_FREE) {
+            if (prev_free) { snprintf(msg, msglen, "adjacent free blocks at %llu", (unsigned long long)off); bad = 1; break; }
+            nfree++;
+        } else {
+            used += b->size;
+        }
+        if (b->state == ST_LIVE) {
+            uint64_t *s = find_slot(h, b->hash, KEY(b), b->klen);
+            if (!s || *s != off) { snprintf(msg, msglen, "live block %llu not indexed", (unsigned long long)off); bad = 1; break; }
+            objects++;
+        }
+        if (b->state == ST_ORPHAN) {
+            orphans++;
+            if (!b->pins) { snprintf(msg, msglen, "unpinned orphan at %llu", (unsigned long long)off); bad = 1; break; }
+        }
+        prev_free = b->state == ST_FREE;
+        prev_size = b->size;
+    }
+    if (!bad) {
+        uint64_t listed = 0;
+        for (int c = 0; c < NCLASSES; c++)
+            for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next) listed++;
+        if (listed != nfree) { snprintf(msg, msglen, "free lists hold %llu blocks, heap %llu", (unsigned long long)listed, (unsigned long long)nfree); bad = 1; }
+        else if (used != h->used) { snprintf(msg, msglen, "used %llu != counted %llu", (unsigned long long)h->used, (unsigned long long)used); bad = 1; }
+        else if (objects != h->objects) { snprintf(msg, msglen, "objects %llu != counted %llu", (unsigned long long)h->objects, (unsigned long long)objects); bad = 1; }
+        else if (orphans != h->orphans) { snprintf(msg, msglen, "orphans %llu != counted %llu", (unsigned long long)h->orphans, (unsigned long long)orphans); bad = 1; }
+    }
+    unlock(h);
+    return bad ? YR_ESTATE : YR_OK;
+}
+
+/* --------------------------------------------------------------- notify */
+
+uint32_t *yr_notify_word(void *base, uint32_t index) {
+    return index < NNOTIFY ? &H(base)->notify[index] : NULL;
+}
+
+uint64_t *yr_user_word(void *base, uint32_t index) {
+    return index < NUSER ? &H(base)->user[index] : NULL;
+}
+
+int yr_futex_wait(uint32_t *addr, uint32_t expected, double timeout) {
+    struct timespec ts, *tsp = NULL;
+    if (timeout >= 0) {
+        ts.tv_sec = (time_t)timeout;
+        ts.tv_nsec = (long)((timeout - (double)ts.tv_sec) * 1e9);
+        tsp = &ts;
+    }
+    /* Shared (not FUTEX_PRIVATE): waiters live in other processes. */
+    long r = syscall(SYS_futex, addr, FUTEX_WAIT, expected, tsp, NULL, 0);
+    if (r == 0) return 0;
+    return errno == ETIMEDOUT ? 1 : (errno == EAGAIN || errno == EINTR ? 0 : -errno);
+}
+
+int yr_futex_wake(uint32_t *addr) {
+    __atomic_fetch_add(addr, 1, __ATOMIC_SEQ_CST);
+    return (int)syscall(SYS_futex, addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* ---------------------------------------------------------------- memory */
+
+void *yr_map(int fd, uint64_t size, int populate) {
+    int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, flags, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+int yr_unmap(void *addr, uint64_t size) { return munmap(addr, size); }
+
+int yr_prefault(void *addr, uint64_t size) {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+    if (madvise(addr, size, MADV_POPULATE_WRITE) == 0) return 0;
+    /* Older kernels: touch one byte per page. */
+    long pg = sysconf(_SC_PAGESIZE);
+    volatile char *p = (volatile char *)addr;
+    for (uint64_t i = 0; i < size; i += (uint64_t)pg) p[i] = p[i];
+    return 1;
+}
+
+void yr_memcpy(void *dst, const void *src, uint64_t n) { memcpy(dst, src, n); }

@@ -1,0 +1,108 @@
+/* The yrcache DRAM arena: key index, allocator, pins and a robust lock, all
+ * inside one shared-memory mapping so every attached process sees one truth.
+ * Offsets, never pointers, are stored in the arena (each process maps it at
+ * its own address).  This header is also fed to cffi's cdef, so it holds only
+ * declarations cffi can parse. */
+
+typedef struct {
+    uint64_t payload_off;   /* offset of the payload from the arena base */
+    uint64_t nbytes;        /* payload length */
+    uint64_t block_off;     /* offset of the object's block */
+    uint64_t meta_off;      /* offset of the codec header */
+    uint32_t meta_len;
+    uint32_t pin;           /* pin record index, 0 if the call did not pin */
+    int64_t  priority;
+    double   expire_at;     /* 0: never */
+    uint64_t access_count;
+    uint64_t seq;
+} yr_objinfo;
+
+typedef struct {
+    uint64_t capacity;      /* heap bytes */
+    uint64_t used;          /* bytes in allocated blocks (headers included) */
+    uint64_t objects;       /* live (visible) objects */
+    uint64_t orphans;       /* replaced/deleted objects still pinned by a view */
+    uint64_t reserved;      /* puts in flight */
+    uint64_t pinned_bytes;  /* bytes of blocks with at least one pin */
+    uint64_t free_bytes;
+    uint64_t largest_free;
+    uint64_t hits, misses, puts, deletes, spills, promotions, evictions, recoveries;
+    uint64_t procs;         /* attached process slots in use */
+} yr_stats;
+
+typedef struct {
+    uint32_t pid;
+    uint32_t state;         /* 0 free, 1 attached */
+    uint64_t starttime;     /* /proc/<pid>/stat field 22: tells pid reuse apart */
+    uint32_t is_owner;
+    uint32_t pins;
+} yr_procinfo;
+
+/* error codes (negative) */
+#define YR_OK          0
+#define YR_ENOTFOUND  -1
+#define YR_ENOSPC     -2
+#define YR_EBADARENA  -3
+#define YR_ENOPINS    -4
+#define YR_ENOPROCS   -5
+#define YR_ELOCK      -6
+#define YR_ESTATE     -7
+#define YR_ETOOBIG    -8
+
+uint64_t yr_arena_min_size(void);
+int  yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins);
+int  yr_arena_check(void *base, uint64_t size);
+uint64_t yr_arena_size(void *base);
+
+int  yr_proc_attach(void *base, uint32_t pid, uint64_t starttime, uint32_t is_owner);
+int  yr_proc_detach(void *base, uint32_t slot);
+int  yr_proc_list(void *base, yr_procinfo *out, uint32_t max);
+int  yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime);
+uint32_t yr_proc_count(void *base);
+
+/* put: reserve a block, fill it without the lock, commit it (replacing any old
+ * object of the same key atomically), or abort it. */
+int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen,
+                   const char *meta, uint32_t mlen, uint64_t nbytes,
+                   int64_t priority, double expire_at, uint64_t *payload_off);
+int  yr_commit(void *base, uint32_t slot, uint64_t block_off);
+int  yr_abort(void *base, uint32_t slot, uint64_t block_off);
+/* one call for small values: reserve + copy + commit under one lock hold */
+int  yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen,
+                  const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
+                  int64_t priority, double expire_at);
+
+int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int pin,
+            yr_objinfo *out);
+/* batch lookup under one lock hold; keys packed back to back, lengths in klens */
+int  yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
+             uint32_t n, int pin, yr_objinfo *out, int32_t *found);
+int  yr_unpin(void *base, uint32_t pin);
+int  yr_pin_block(void *base, uint32_t slot, uint64_t block_off);
+int  yr_delete(void *base, const char *key, uint32_t klen);
+int  yr_contains(void *base, const char *key, uint32_t klen);
+int  yr_touch(void *base, const char *key, uint32_t klen, double expire_at,
+              int64_t priority, int set_priority);
+
+/* iterate keys: fills buf with [u32 len][bytes] records starting at bucket
+ * *cursor; returns the number of keys written, advances *cursor (0 at end). */
+int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
+                const char *prefix, uint32_t plen);
+
+int  yr_get_stats(void *base, yr_stats *out);
+void yr_count(void *base, int which, uint64_t n);
+int  yr_expire(void *base, double now);
+int  yr_recover(void *base);
+int  yr_check_invariants(void *base, char *msg, uint32_t msglen);
+
+/* version word for publish/subscribe wake-ups (futex) */
+uint32_t *yr_notify_word(void *base, uint32_t index);
+int  yr_futex_wait(uint32_t *addr, uint32_t expected, double timeout);
+int  yr_futex_wake(uint32_t *addr);
+uint64_t *yr_user_word(void *base, uint32_t index);
+
+/* mapping helpers: map a shm fd MAP_SHARED and pre-fault it */
+void *yr_map(int fd, uint64_t size, int populate);
+int  yr_unmap(void *addr, uint64_t size);
+int  yr_prefault(void *addr, uint64_t size);
+void yr_memcpy(void *dst, const void *src, uint64_t n);

@@ -1,0 +1,168 @@
+"""Values <-> (meta, payload): the only place that knows dtypes.
+
+``encode`` turns a value into a small header (``meta``, a few dozen bytes)
+and one contiguous payload buffer, without copying when the value is already
+contiguous host memory.  ``decoder(meta)`` returns a function that builds the
+value back from a buffer over the stored bytes, zero-copy: the buffer object
+(which carries the pin) is kept alive by the array/tensor built on it.
+
+Header formats (ASCII, ';' separated; a numpy dtype string may hold '|'):
+    B                      bytes-like -> read-only memoryview
+    N;<dtype.str>;<shape>  numpy ndarray -> read-only ndarray
+    T;<torch dtype>;<shape>  torch tensor -> CPU tensor over the stored bytes
+    P                      pickled object (only with pickle=True, local only)
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+from functools import lru_cache
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import CorruptObjectError
+
+_NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex
+MAX_META = 4096
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - only without the extra
+        raise ImportError(
+            "this value needs torch: pip install 'yrcache[torch]'"
+        ) from None
+    return torch
+
+
+def is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _shape_str(shape) -> str:
+    return ",".join(str(int(d)) for d in shape)
+
+
+def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
+    """Return ``(meta, payload, nbytes)``; ``payload`` supports the buffer protocol.
+
+    Zero-copy for contiguous bytes-like values, arrays and CPU tensors; a
+    non-contiguous input is made contiguous (one copy) and a device tensor is
+    copied to the host.
+    """
+    if isinstance(value, (bytes, bytearray)):
+        return b"B", value, len(value)
+    if isinstance(value, memoryview):
+        if not value.c_contiguous:
+            value = memoryview(value.tobytes())
+        return b"B", value, value.nbytes
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in _NUMPY_KINDS or value.dtype.hasobject:
+            return _fallback(value, allow_pickle,
+                             f"numpy dtype {value.dtype} is not supported (numeric and bool dtypes are)")
+        arr = np.ascontiguousarray(value)
+        if arr.dtype.byteorder == ">":  # store native, so views need no swap
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        meta = f"N;{arr.dtype.str};{_shape_str(arr.shape)}".encode()
+        return meta, arr.reshape(-1).view(np.uint8), arr.nbytes
+    if is_tensor(value):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.is_sparse or t.layout != _torch().strided:
+            return _fallback(value, allow_pickle, "sparse tensors are not supported; call .to_dense()")
+        t = t.contiguous()
+        name = str(t.dtype).replace("torch.", "")
+        meta = f"T;{name};{_shape_str(t.shape)}".encode()
+        nbytes = t.numel() * t.element_size()
+        payload = t.reshape(-1).view(_torch().uint8).numpy() if nbytes else b""
+        return meta, payload, nbytes
+    return _fallback(value, allow_pickle,
+                     f"cannot store a {type(value).__name__}: store bytes, numpy arrays or torch "
+                     "tensors, or create the store with pickle=True for other objects")
+
+
+def _fallback(value, allow_pickle: bool, why: str):
+    if not allow_pickle:
+        raise TypeError(why)
+    data = pickle.dumps(value, protocol=5)
+    return b"P", data, len(data)
+
+
+@lru_cache(maxsize=4096)
+def decoder(meta: bytes) -> Callable[[Any, int], Any]:
+    """Return ``f(buffer, nbytes) -> value`` for a stored header (cached)."""
+    try:
+        kind = meta[:1]
+        if kind == b"B":
+            return lambda buf, n: memoryview(buf).toreadonly()
+        if kind == b"P":
+            return lambda buf, n: pickle.loads(buf)
+        _, dt, shape_s = meta.decode().split(";")
+        shape = tuple(int(d) for d in shape_s.split(",")) if shape_s else ()
+        if kind == b"N":
+            dtype = np.dtype(dt)
+
+            def build_array(buf, n):
+                arr = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize).reshape(shape)
+                arr.flags.writeable = False
+                return arr
+            return build_array
+        if kind == b"T":
+            torch = _torch()
+            tdtype = getattr(torch, dt)
+
+            def build_tensor(buf, n):
+                u8 = np.frombuffer(buf, dtype=np.uint8, count=n)
+                if n == 0:
+                    return torch.empty(shape, dtype=tdtype)
+                return torch.from_numpy(u8).view(tdtype).reshape(shape)
+            return build_tensor
+    except (ValueError, AttributeError, TypeError) as e:
+        raise CorruptObjectError(f"unreadable value header {meta[:80]!r}: {e}") from None
+    raise CorruptObjectError(f"unknown value header {meta[:80]!r}")
+
+
+def describe(meta: bytes) -> dict:
+    """Kind, dtype and shape of a stored header (for ``get_into`` checks and CLIs)."""
+    kind = meta[:1]
+    if kind in (b"B", b"P"):
+        return {"kind": {b"B": "bytes", b"P": "pickle"}[kind]}
+    _, dt, shape_s = meta.decode().split(";")
+    shape = tuple(int(d) for d in shape_s.split(",")) if shape_s else ()
+    return {"kind": "ndarray" if kind == b"N" else "tensor", "dtype": dt, "shape": shape}
+
+
+def private_copy(value: Any) -> Any:
+    """A writable copy that shares nothing with the store."""
+    if isinstance(value, memoryview):
+        return bytearray(value)
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if is_tensor(value):
+        return value.clone()
+    return value  # unpickled objects are already private
+
+
+def as_bytes_view(obj: Any) -> np.ndarray:
+    """A flat writable uint8 numpy view of a host buffer/array/tensor (no copy)."""
+    if is_tensor(obj):
+        if obj.device.type != "cpu":
+            raise TypeError("device tensors take the torch copy path")
+        if not obj.is_contiguous():
+            raise ValueError("get_into needs a contiguous output tensor")
+        return obj.reshape(-1).view(_torch().uint8).numpy() if obj.numel() else np.empty(0, np.uint8)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError("get_into needs a C-contiguous output array")
+        if not obj.flags.writeable:
+            raise ValueError("get_into needs a writable output array")
+        return obj.reshape(-1).view(np.uint8)
+    mv = memoryview(obj)
+    if mv.readonly:
+        raise ValueError("get_into needs a writable buffer (bytearray, ndarray or tensor)")
+    return np.frombuffer(mv.cast("B"), dtype=np.uint8)

@@ -1,0 +1,1 @@
+"""RL parameter sync: versioned weight publish/subscribe with resharding."""

@@ -1,0 +1,523 @@
+"""TieredStore: the facade: validation, placement, routing, stats.
+
+A ``TieredStore`` is a ``MutableMapping[str, value]`` over one shared-memory
+arena (the DRAM tier).  Values come back as read-only zero-copy views that
+pin their bytes: they stay valid and unchanged while referenced, even when the
+key is overwritten or deleted, the store is closed, or the writer dies.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+import uuid
+from collections.abc import Iterable, Iterator, MutableMapping
+from typing import Any
+
+import numpy as np
+
+from . import codec
+from ._arena import ffi, lib
+from .errors import StoreClosedError, StoreFullError, StoreNotFoundError, YrcacheError
+from .sizes import format_size, parse_size
+from .tiers import shm
+
+MAX_KEY_BYTES = 1024
+SMALL_VALUE = 64 * 1024        # at or below: copy under the arena lock in one C call
+DEFAULT_DRAM = "1GiB"
+_MISSING = object()
+
+
+class Tier(enum.IntEnum):
+    """Where an object lives: GPU memory, the shared DRAM arena or SSD files."""
+
+    HBM = 0
+    DRAM = 1
+    SSD = 2
+
+
+class WriteMode(enum.Enum):
+    """Replication of a put in cluster mode (ignored by an embedded store)."""
+
+    WRITE_THROUGH = "write_through"
+    ASYNC = "async"
+    NONE = "none"
+
+
+def key_bytes(key: Any) -> bytes:
+    """Validate a key and return its UTF-8 bytes."""
+    if type(key) is not str:
+        if isinstance(key, str):
+            key = str(key)
+        else:
+            raise TypeError(f"keys must be str, not {type(key).__name__}")
+    try:
+        kb = key.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"key {key[:40]!r} is not valid UTF-8 (lone surrogates?)") from None
+    if not kb:
+        raise ValueError("keys must be non-empty strings")
+    if len(kb) > MAX_KEY_BYTES:
+        raise ValueError(f"key is {len(kb)} UTF-8 bytes; keys may be at most {MAX_KEY_BYTES} bytes")
+    if b"\x00" in kb:
+        raise ValueError(f"key {key[:40]!r} contains a NUL character, which keys may not")
+    return kb
+
+
+class TieredStore(MutableMapping):
+    """An embedded tiered key-value store for bytes, arrays and tensors.
+
+    ``TieredStore(name=..., dram="2GiB")`` creates a store (or adopts one whose
+    owner died); ``TieredStore.attach(name)`` joins an existing one from any
+    process on the node.  A store pickles as its name, so passing it to a
+    ``multiprocessing`` child attaches there.
+    """
+
+    def __init__(self, name: str | None = None, *, dram: int | str | None = None,
+                 ssd: str | os.PathLike | None = None, ssd_size: int | str | None = None,
+                 hbm: int | str | None = None, device: str | None = None,
+                 capacity: int | str | None = None, ratios: tuple[float, float, float] | None = None,
+                 policy: str = "spill", pickle: bool = False, prefault: bool = True,
+                 cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
+                 write_mode: WriteMode | str | None = None, _attach: bool = False):
+        self._arena: shm.Arena | None = None
+        if cluster is not None or (os.environ.get("YRCACHE_ETCD") and not _attach):
+            raise NotImplementedError(
+                "cluster mode is not available in this version of yrcache; "
+                "unset YRCACHE_ETCD and drop cluster= to use the embedded store"
+            )
+        unsupported = {k: v for k, v in (("ssd", ssd), ("ssd_size", ssd_size), ("hbm", hbm),
+                                         ("device", device)) if v is not None}
+        if unsupported:
+            raise NotImplementedError(
+                f"{', '.join(unsupported)}: only the DRAM tier exists in this version of yrcache; "
+                "size it with dram= (the SSD and HBM tiers are coming)"
+            )
+        if policy not in ("spill", "cache"):
+            raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
+        self._pickle = bool(pickle)
+        self._policy = policy
+        self._write_mode = _write_mode(write_mode)
+        if _attach:
+            self._arena = shm.Arena(name)
+            self.name = name
+            self._closed = False
+            return
+        dram_b = parse_size(dram if dram is not None else os.environ.get("YRCACHE_DRAM"), "dram")
+        cap_b = parse_size(capacity, "capacity")
+        if cap_b is not None:
+            r = _check_ratios(ratios)
+            if r[0] or r[2]:
+                raise NotImplementedError(
+                    "ratios give HBM or SSD a share, but only the DRAM tier exists in this version; "
+                    "use ratios=(0, 1, 0) or dram="
+                )
+            dram_b = dram_b or int(cap_b * r[1])
+        elif ratios is not None:
+            raise ValueError("ratios= splits capacity=; pass capacity= as well")
+        if dram_b is None:
+            dram_b = parse_size(DEFAULT_DRAM)
+        if dram_b < lib.yr_arena_min_size():
+            raise ValueError(f"dram must be at least {format_size(lib.yr_arena_min_size())}, got {dram_b} bytes")
+        self.name = shm.check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        arena = shm.Arena(self.name, create=True, size=dram_b, prefault=prefault)
+        if not arena.created:
+            arena = self._adopt(arena)
+        self._arena = arena
+        self._closed = False
+
+    def _adopt(self, arena: shm.Arena) -> shm.Arena:
+        """Take over an existing segment whose owner is gone; refuse a live one."""
+        owners = [pid for pid, owner in arena.attached() if owner and pid != os.getpid()]
+        arena.release_handle()
+        if owners:
+            raise FileExistsError(
+                f"store {self.name!r} already exists and is owned by pid {owners[0]}; "
+                f"use TieredStore.attach({self.name!r}) to share it, or pick another name"
+            )
+        adopted = shm.Arena(self.name, owner=True)
+        lib.yr_user_word(adopted.base, shm.UW_FLAGS)[0] &= ~shm.FLAG_OWNER_CLOSED
+        return adopted
+
+    @classmethod
+    def attach(cls, name: str, *, pickle: bool = False) -> "TieredStore":
+        """Attach to the store ``name`` created by another process on this node.
+
+        Raises ``StoreNotFoundError`` when no such store exists.  ``close()``
+        on the returned handle only detaches.
+        """
+        return cls(name, pickle=pickle, _attach=True)
+
+    # ------------------------------------------------------------- helpers
+
+    @property
+    def _a(self) -> shm.Arena:
+        a = self._arena
+        if a is None or self._closed:
+            raise StoreClosedError(
+                f"store {getattr(self, 'name', '?')!r} is closed; attach again with "
+                f"TieredStore.attach({getattr(self, 'name', '?')!r})"
+            )
+        return a
+
+    def _full_error(self, nbytes: int) -> StoreFullError:
+        st = self._raw_stats()
+        return StoreFullError(
+            f"store {self.name!r} is full: cannot place {format_size(nbytes)}; "
+            f"{format_size(st.used)} of {format_size(st.capacity)} DRAM used "
+            f"(largest free block {format_size(st.largest_free)}, "
+            f"{format_size(st.pinned_bytes)} pinned by live views), no SSD tier configured; "
+            "delete keys, release views, or create the store with a larger dram="
+        )
+
+    def _raw_stats(self):
+        out = ffi.new("yr_stats *")
+        lib.yr_get_stats(self._a.base, out)
+        return out
+
+    # ---------------------------------------------------------------- puts
+
+    def put(self, key: str, value: Any, tier: Tier | None = None, priority: int = 0,
+            ttl: float | None = None, write_mode: WriteMode | str | None = None) -> None:
+        """Store ``value`` under ``key``, replacing any old value atomically.
+
+        One copy into the arena (zero for a value that is not contiguous: it
+        is made contiguous first).  Readers see the old object or the new one,
+        never a mix; views of the old object stay valid.
+        """
+        a = self._a
+        kb = key_bytes(key)
+        _check_tier(tier)
+        _write_mode(write_mode)
+        expire_at = _expire_at(ttl)
+        meta, payload, nbytes = codec.encode(value, self._pickle)
+        self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at)
+
+    def _put_encoded(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
+                     priority: int, expire_at: float) -> None:
+        for attempt in (0, 1):
+            if nbytes <= SMALL_VALUE:
+                src = ffi.from_buffer(payload) if nbytes else ffi.NULL
+                rc = lib.yr_put_small(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
+                                      priority, expire_at)
+                if rc == 0:
+                    return
+            else:
+                poff = ffi.new("uint64_t *")
+                rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
+                                    priority, expire_at, poff)
+                if rc > 0:
+                    self._fill_and_commit(a, rc, poff[0], payload, nbytes)
+                    return
+            if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+                shm.check(rc, f"put of {kb[:60]!r}")
+            if rc == lib.YR_ETOOBIG or attempt:
+                raise self._full_error(nbytes)
+            # Before giving up: reclaim what dead processes and expired keys hold.
+            a.sweep()
+            lib.yr_expire(a.base, time.time())
+
+    def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int) -> None:
+        try:
+            dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + payload_off), nbytes), dtype=np.uint8)
+            src = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
+            np.copyto(dst, src)
+        except BaseException:
+            lib.yr_abort(a.base, a.slot, block)
+            raise
+        shm.check(lib.yr_commit(a.base, a.slot, block), "commit")
+
+    def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
+             priority: int = 0, ttl: float | None = None,
+             write_mode: WriteMode | str | None = None) -> None:
+        """Put several values; each one is atomic (the batch as a whole is not)."""
+        a = self._a
+        _check_tier(tier)
+        _write_mode(write_mode)
+        expire_at = _expire_at(ttl)
+        pairs = items.items() if isinstance(items, dict) else items
+        encoded = [(key_bytes(k), *codec.encode(v, self._pickle)) for k, v in pairs]
+        for kb, meta, payload, nbytes in encoded:
+            self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.put(key, value)
+
+    # ---------------------------------------------------------------- gets
+
+    def _view(self, a: shm.Arena, info) -> Any:
+        meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+        dec = codec.decoder(meta)
+        ptr = a.pinned_ptr(info.payload_off, info.pin, info.block_off)
+        return dec(ffi.buffer(ptr, info.nbytes), info.nbytes)
+
+    def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
+        """The value of ``key`` as a read-only zero-copy view, or ``default``.
+
+        The view pins the stored bytes until its last reference dies.  With
+        ``copy=True`` returns a private writable copy instead.  O(1).
+        """
+        a = self._a
+        kb = key_bytes(key)
+        info = ffi.new("yr_objinfo *")
+        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
+        if rc == lib.YR_ENOTFOUND:
+            return default
+        if rc == lib.YR_ENOPINS:
+            raise YrcacheError(
+                f"store {self.name!r} has too many live views; drop references to values "
+                "you no longer need (each view pins its object)"
+            )
+        shm.check(rc, f"get of {key[:60]!r}")
+        value = self._view(a, info)
+        return codec.private_copy(value) if copy else value
+
+    def __getitem__(self, key: str) -> Any:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        return value
+
+    def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Any]:
+        """Values of ``keys`` (``None`` for missing ones), looked up under one lock hold."""
+        a = self._a
+        kbs = [key_bytes(k) for k in keys]
+        n = len(kbs)
+        if n == 0:
+            return []
+        infos = ffi.new("yr_objinfo[]", n)
+        found = ffi.new("int32_t[]", n)
+        klens = ffi.new("uint32_t[]", [len(k) for k in kbs])
+        rc = lib.yr_mget(a.base, a.slot, b"".join(kbs), klens, n, 1, infos, found)
+        if rc == lib.YR_ENOPINS:
+            raise YrcacheError(f"store {self.name!r} has too many live views; drop unused values")
+        shm.check(rc, "mget")
+        out = [self._view(a, infos[i]) if found[i] else None for i in range(n)]
+        return [codec.private_copy(v) for v in out] if copy else out
+
+    def get_into(self, key: str, out: Any) -> Any:
+        """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
+
+        One copy, straight from the arena; ``out`` must have the stored
+        number of bytes (and, for arrays and tensors, the stored shape).
+        Returns ``out``.  Raises ``KeyError`` when missing.
+        """
+        a = self._a
+        kb = key_bytes(key)
+        info = ffi.new("yr_objinfo *")
+        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
+        if rc == lib.YR_ENOTFOUND:
+            raise KeyError(key)
+        shm.check(rc, f"get_into of {key[:60]!r}")
+        try:
+            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+            src = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off), info.nbytes),
+                                dtype=np.uint8)
+            _copy_out(key, meta, src, out)
+        finally:
+            a.unpin(info.pin)
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        try:
+            kb = key_bytes(key)
+        except ValueError:
+            return False
+        return lib.yr_contains(self._a.base, kb, len(kb)) == 1
+
+    def tier_of(self, key: str) -> Tier:
+        """The tier that holds ``key`` now; ``KeyError`` when missing."""
+        if key not in self:
+            raise KeyError(key)
+        return Tier.DRAM
+
+    # ------------------------------------------------------------- deletes
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; True if it existed.  Views of it stay valid."""
+        kb = key_bytes(key)
+        return lib.yr_delete(self._a.base, kb, len(kb)) == 0
+
+    def __delitem__(self, key: str) -> None:
+        if not self.delete(key):
+            raise KeyError(key)
+
+    # ------------------------------------------------------------ iterating
+
+    def keys(self, prefix: str = "") -> Iterator[str]:  # type: ignore[override]
+        """Iterate over keys starting with ``prefix`` (in no particular order).
+
+        Takes the lock once per batch of keys, so concurrent writers are not
+        stalled; a key added or removed during the iteration may or may not
+        appear.
+        """
+        a = self._a
+        pb = prefix.encode() if prefix else b""
+        return _iter_keys(a, pb)
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def __len__(self) -> int:
+        a = self._a
+        lib.yr_expire(a.base, time.time())
+        return self._raw_stats().objects
+
+    # --------------------------------------------------------------- stats
+
+    def stats(self) -> dict:
+        """Capacity, use and counters of every tier (a fresh snapshot)."""
+        a = self._a
+        a.sweep()
+        st = self._raw_stats()
+        return {
+            "name": self.name,
+            "tiers": {"dram": {"capacity": st.capacity, "used": st.used, "objects": st.objects,
+                               "free": st.free_bytes, "largest_free": st.largest_free}},
+            "hits": st.hits, "misses": st.misses, "puts": st.puts, "deletes": st.deletes,
+            "spills": st.spills, "promotions": st.promotions, "evictions": st.evictions,
+            "pinned_bytes": st.pinned_bytes, "orphans": st.orphans, "recoveries": st.recoveries,
+            "processes": st.procs,
+        }
+
+    def flush(self) -> None:
+        """Wait for background replication and spills (none in an embedded DRAM store)."""
+        self._a
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._arena is None
+
+    def close(self) -> None:
+        """Release this handle.  The owner's close unlinks the segment once no
+        other process is attached; an attached process only detaches.  Views
+        already returned stay valid."""
+        if self._arena is not None and not self._closed:
+            self._closed = True
+            self._arena.release_handle()
+
+    def destroy(self) -> None:
+        """Unlink the store now, whoever is attached (their mappings stay valid)."""
+        a = self._arena
+        if a is not None:
+            a.unlink()
+        self.close()
+
+    def __enter__(self) -> "TieredStore":
+        self._a
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        return (_attach_by_name, (self.name, self._pickle))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self)} objects"
+        return f"<TieredStore {self.name!r} {state}>"
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # Mapping equality/iteration helpers inherited from MutableMapping work
+    # through __getitem__/__iter__/__len__; `clear` is faster done directly.
+    def clear(self) -> None:
+        for k in list(self.keys()):
+            self.delete(k)
+
+    def check(self) -> None:
+        """Verify the arena's internal invariants (for tests and `yrcache stat`)."""
+        msg = ffi.new("char[256]")
+        if lib.yr_check_invariants(self._a.base, msg, 256) != 0:
+            raise YrcacheError(f"arena invariant violated: {ffi.string(msg).decode()}")
+
+
+def _attach_by_name(name: str, pickle: bool) -> TieredStore:
+    return TieredStore.attach(name, pickle=pickle)
+
+
+def _iter_keys(a: shm.Arena, prefix: bytes) -> Iterator[str]:
+    cursor = ffi.new("uint64_t *", 0)
+    size = 1 << 16
+    while True:
+        buf = ffi.new("char[]", size)
+        n = lib.yr_keys(a.base, cursor, buf, size, prefix, len(prefix))
+        if n < -1000:  # one bucket needs a bigger buffer
+            size = max(size * 2, -(n + 1000))
+            continue
+        shm.check(n, "keys")
+        raw = ffi.buffer(buf, size)
+        pos = 0
+        out = []
+        for _ in range(n):
+            klen = int.from_bytes(raw[pos:pos + 4], "little")
+            out.append(raw[pos + 4:pos + 4 + klen].decode())
+            pos += 4 + klen
+        yield from out
+        if cursor[0] == 0:
+            return
+
+
+def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
+    desc = codec.describe(meta)
+    if codec.is_tensor(out):
+        if out.numel() * out.element_size() != src.nbytes:
+            raise ValueError(f"get_into({key!r}): out holds {out.numel() * out.element_size()} bytes, "
+                             f"the stored value {src.nbytes}")
+        if "shape" in desc and tuple(out.shape) != desc["shape"]:
+            raise ValueError(f"get_into({key!r}): out has shape {tuple(out.shape)}, stored {desc['shape']}")
+        if out.device.type != "cpu":
+            import torch
+            out.view(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
+            return
+    elif isinstance(out, np.ndarray) and "shape" in desc and out.shape != desc["shape"]:
+        raise ValueError(f"get_into({key!r}): out has shape {out.shape}, stored {desc['shape']}")
+    dst = codec.as_bytes_view(out)
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"get_into({key!r}): out holds {dst.nbytes} bytes, the stored value {src.nbytes}")
+    np.copyto(dst, src)
+
+
+def _check_tier(tier: Tier | None) -> None:
+    if tier is None or tier == Tier.DRAM:
+        return
+    if not isinstance(tier, Tier):
+        raise TypeError(f"tier must be a yrcache.Tier, not {tier!r}")
+    raise NotImplementedError(
+        f"{tier!r}: only the DRAM tier exists in this version of yrcache; pass tier=Tier.DRAM or no tier"
+    )
+
+
+def _check_ratios(ratios) -> tuple[float, float, float]:
+    if ratios is None:
+        return (0.0, 1.0, 0.0)
+    r = tuple(float(x) for x in ratios)
+    if len(r) != 3 or any(x < 0 for x in r) or abs(sum(r) - 1.0) > 1e-6:
+        raise ValueError(f"ratios must be three non-negative shares (hbm, dram, ssd) summing to 1, got {ratios!r}")
+    return r  # type: ignore[return-value]
+
+
+def _expire_at(ttl: float | None) -> float:
+    if ttl is None:
+        return 0.0
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    return time.time() + ttl
+
+
+def _write_mode(mode: WriteMode | str | None) -> WriteMode | None:
+    if mode is None or isinstance(mode, WriteMode):
+        return mode
+    try:
+        return WriteMode(mode)
+    except ValueError:
+        raise ValueError(f"write_mode must be one of {[m.value for m in WriteMode]}, got {mode!r}") from None

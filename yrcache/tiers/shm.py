@@ -1,0 +1,320 @@
+"""DRAM tier: one pre-faulted POSIX shared-memory arena per store.
+
+The segment ``/dev/shm/yrcache.<name>`` holds everything: the key index, the
+allocator, the pin table, the process table and a robust mutex (all in C, see
+``_csrc/arena.c``).  Any process maps it by name and works on it directly; no
+daemon, no socket.
+
+Life cycle of a mapping (`Arena`): it registers a process slot, hands out
+pinned zero-copy views, and is unmapped only when the store handle *and*
+every view built on it are gone, so a view outlives ``close()``.  After a
+``fork`` the child takes its own slot and re-pins the views it inherited, so
+they stay valid whatever the parent does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import weakref
+
+import posix_ipc
+
+from .._arena import ffi, lib
+from ..errors import StoreNotFoundError, YrcacheError
+
+PREFIX = "/yrcache."
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+SHM_DIR = "/dev/shm"
+
+# user words in the arena header
+UW_FLAGS = 0      # bit 0: the owner closed its handle
+UW_CREATED = 1    # creation time (ns) to tell reincarnations apart
+FLAG_OWNER_CLOSED = 1
+
+ERRORS = {
+    lib.YR_ENOTFOUND: "not found",
+    lib.YR_ENOSPC: "no space",
+    lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
+    lib.YR_ENOPINS: "too many live views",
+    lib.YR_ENOPROCS: "too many attached processes",
+    lib.YR_ELOCK: "the arena lock is unrecoverable",
+    lib.YR_ESTATE: "unexpected object state",
+    lib.YR_ETOOBIG: "object larger than the arena",
+}
+
+
+def check_name(name: str) -> str:
+    """Validate a store name (it becomes a file name under /dev/shm)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(
+            f"invalid store name {name!r}: use 1-200 characters from letters, digits, '.', '_' and '-'"
+        )
+    return name
+
+
+def shm_name(name: str) -> str:
+    return PREFIX + check_name(name)
+
+
+def list_stores() -> list[str]:
+    """Names of the yrcache stores on this node (segments in /dev/shm)."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted(e[len(PREFIX) - 1:] for e in entries if e.startswith(PREFIX[1:]))
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, starttime) of a process, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = data[data.rindex(b")") + 2:].split()
+    return fields[0].decode(), int(fields[19])
+
+
+def proc_starttime(pid: int | None = None) -> int:
+    st = _proc_stat(pid or os.getpid())
+    return st[1] if st else 0
+
+
+def proc_alive(pid: int, starttime: int) -> bool:
+    """True if ``pid`` is the same running process (not a zombie, not reused)."""
+    st = _proc_stat(pid)
+    return st is not None and st[0] not in ("Z", "X") and st[1] == starttime
+
+
+def check(rc: int, what: str) -> int:
+    if rc < 0:
+        raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
+    return rc
+
+
+_arenas: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+
+
+class Arena:
+    """A process's mapping of one store's shared-memory arena.
+
+    Thread-safe: the C core serialises on the arena's robust mutex; the
+    Python-side pin book is guarded by a lock.
+    """
+
+    def __init__(self, name: str, *, create: bool = False, size: int = 0,
+                 prefault: bool = True, nprocs: int = 1024, npins: int | None = None,
+                 owner: bool | None = None):
+        self.name = check_name(name)
+        self.shm_name = shm_name(name)
+        self._lock = threading.Lock()
+        self.created = False
+        if create:
+            try:
+                shm = posix_ipc.SharedMemory(self.shm_name, posix_ipc.O_CREX, mode=0o600, size=size)
+                self.created = True
+            except posix_ipc.ExistentialError:
+                shm = None
+        else:
+            shm = None
+        if shm is None:
+            try:
+                shm = posix_ipc.SharedMemory(self.shm_name)
+            except posix_ipc.ExistentialError:
+                raise StoreNotFoundError(
+                    f"no store named {name!r} on this node (no {SHM_DIR}{self.shm_name}); "
+                    "create it with TieredStore(name=...) first"
+                ) from None
+        try:
+            self.size = os.fstat(shm.fd).st_size
+            if self.created and prefault:
+                # tmpfs: a first-touch write costs ~10x a write to a resident page,
+                # so fault the whole arena in once, here, not on the put path.
+                self.base = lib.yr_map(shm.fd, self.size, 1)
+            else:
+                self.base = lib.yr_map(shm.fd, self.size, 0)
+        finally:
+            shm.close_fd()
+        if self.base == ffi.NULL:
+            if self.created:
+                posix_ipc.unlink_shared_memory(self.shm_name)
+            raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
+        self.addr = int(ffi.cast("uintptr_t", self.base))
+        self.mapped = True
+        try:
+            if self.created:
+                if npins is None:
+                    npins = max(16384, min(1 << 22, size // 4096))
+                check(lib.yr_arena_init(self.base, self.size, nprocs, npins), "arena init")
+                lib.yr_user_word(self.base, UW_CREATED)[0] = os.getpid()
+            elif lib.yr_arena_check(self.base, self.size) != 0:
+                raise StoreNotFoundError(
+                    f"{SHM_DIR}{self.shm_name} is not a usable yrcache store (being created, "
+                    f"or from an incompatible version); remove it with `yrcache destroy {name}`"
+                )
+            self.is_owner = self.created if owner is None else owner
+            self._register()
+        except BaseException:
+            self._unmap()
+            if self.created:
+                posix_ipc.unlink_shared_memory(self.shm_name)
+            raise
+        # views made by this process: pin -> block offset (re-pinned after fork)
+        self._views: dict[int, int] = {}
+        self._remap: dict[tuple[int, int], int] = {}
+        self._handles = 1  # the store handle; views hold the Arena object itself
+        _arenas.add(self)
+
+    # -------------------------------------------------------------- slots
+
+    def _register(self) -> None:
+        self.pid = os.getpid()
+        self.starttime = proc_starttime()
+        self.sweep()
+        self.slot = lib.yr_proc_attach(self.base, self.pid, self.starttime, int(self.is_owner))
+        if self.slot < 0:
+            raise YrcacheError(
+                f"store {self.name!r} has no free process slot (1023 processes attached); "
+                "close stores in processes that no longer need them"
+            )
+
+    def sweep(self) -> int:
+        """Reclaim the slots of dead processes (their pins and unfinished puts).
+
+        O(attached processes) plus, per dead process, O(pins + blocks).
+        Returns the number of slots reclaimed.
+        """
+        n = 1024
+        buf = ffi.new("yr_procinfo[]", n)
+        cnt = lib.yr_proc_list(self.base, buf, n)
+        reclaimed = 0
+        for i in range(1, max(cnt, 0)):
+            p = buf[i]
+            if p.state and not proc_alive(p.pid, p.starttime):
+                if lib.yr_proc_reclaim(self.base, i, p.pid, p.starttime) == 0:
+                    reclaimed += 1
+        return reclaimed
+
+    def attached(self) -> list[tuple[int, bool]]:
+        """(pid, is_owner) of every live attached process slot."""
+        n = 1024
+        buf = ffi.new("yr_procinfo[]", n)
+        cnt = lib.yr_proc_list(self.base, buf, n)
+        return [(buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0))
+                if buf[i].state and proc_alive(buf[i].pid, buf[i].starttime)]
+
+    def after_fork_in_child(self) -> None:
+        """Take a slot of our own and pin every view inherited from the parent."""
+        if not self.mapped or self.pid == os.getpid():
+            return
+        self._lock = threading.Lock()
+        parent = self.pid
+        inherited = self._views
+        self._register()
+        self._views = {}
+        self._remap = {}
+        for pin, block in inherited.items():
+            new = lib.yr_pin_block(self.base, self.slot, block)
+            if new > 0:
+                self._remap[(parent, pin)] = new
+                self._views[new] = block
+
+    # --------------------------------------------------------------- pins
+
+    def pinned_ptr(self, offset: int, pin: int, block: int):
+        """A ``char *`` at ``offset`` that unpins ``pin`` when garbage collected."""
+        with self._lock:
+            self._views[pin] = block
+        pid = self.pid
+        return ffi.gc(ffi.cast("char *", self.addr + offset),
+                      lambda _p: self._release(pid, pin))
+
+    def _release(self, pid: int, pin: int) -> None:
+        if pid != self.pid:  # a view inherited across fork: release our re-pin
+            pin = self._remap.pop((pid, pin), 0)
+            if not pin:
+                return
+        with self._lock:
+            self._views.pop(pin, None)
+            if not self.mapped:
+                return
+        lib.yr_unpin(self.base, pin)
+        self._maybe_unmap()
+
+    def unpin(self, pin: int) -> None:
+        lib.yr_unpin(self.base, pin)
+
+    @property
+    def live_views(self) -> int:
+        return len(self._views)
+
+    # ----------------------------------------------------------- closing
+
+    def release_handle(self) -> None:
+        """The store handle is done; unmap once no view needs the mapping."""
+        if self._handles:
+            self._handles = 0
+            if self.is_owner and self.mapped:
+                lib.yr_user_word(self.base, UW_FLAGS)[0] |= FLAG_OWNER_CLOSED
+            self._maybe_unmap()
+
+    def _maybe_unmap(self) -> None:
+        with self._lock:
+            if self._handles or self._views or not self.mapped:
+                return
+            if self.pid != os.getpid():   # inherited, never registered here
+                self._unmap()
+                return
+            lib.yr_proc_detach(self.base, self.slot)
+            owner_closed = lib.yr_user_word(self.base, UW_FLAGS)[0] & FLAG_OWNER_CLOSED
+            if owner_closed:
+                self.sweep()
+                if lib.yr_proc_count(self.base) == 0:
+                    self.unlink()
+            self._unmap()
+
+    def _unmap(self) -> None:
+        if self.mapped:
+            self.mapped = False
+            lib.yr_unmap(self.base, self.size)
+
+    def unlink(self) -> bool:
+        """Remove the segment's name (mappings stay valid until unmapped)."""
+        try:
+            posix_ipc.unlink_shared_memory(self.shm_name)
+            return True
+        except posix_ipc.ExistentialError:
+            return False
+
+    def __del__(self):
+        # Only reached when no view and no handle refers to us.
+        try:
+            if self.mapped and self.pid == os.getpid():
+                self._handles = 0
+                self._views.clear()
+                self._maybe_unmap()
+        except Exception:
+            pass
+
+
+def destroy(name: str) -> bool:
+    """Unlink a store's segment by name; processes that have it mapped keep it."""
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(name))
+        return True
+    except posix_ipc.ExistentialError:
+        return False
+
+
+def _after_fork_in_child() -> None:
+    for arena in list(_arenas):
+        try:
+            arena.after_fork_in_child()
+        except Exception:  # never break the child over a store it may not use
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
