@@ -86,6 +86,19 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
                      "tensors, or create the store with pickle=True for other objects")
 
 
+def tensor_meta(dtype: Any, shape) -> bytes:
+    """The header of a torch tensor of ``dtype`` and ``shape`` (to fill a block in place)."""
+    return f"T;{str(dtype).replace('torch.', '')};{_shape_str(shape)}".encode()
+
+
+def array_meta(dtype: Any, shape) -> bytes:
+    """The header of a numpy array of ``dtype`` and ``shape`` (native byte order)."""
+    dt = np.dtype(dtype)
+    if dt.byteorder == ">":
+        dt = dt.newbyteorder("=")
+    return f"N;{dt.str};{_shape_str(shape)}".encode()
+
+
 def _fallback(value, allow_pickle: bool, why: str):
     if not allow_pickle:
         raise TypeError(why)

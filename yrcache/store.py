@@ -221,12 +221,41 @@ class TieredStore(MutableMapping):
     def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int) -> None:
         try:
             dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + payload_off), nbytes), dtype=np.uint8)
-            src = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
-            np.copyto(dst, src)
+            if callable(payload):
+                payload(dst)
+            else:
+                src = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
+                np.copyto(dst, src)
         except BaseException:
             lib.yr_abort(a.base, a.slot, block)
             raise
         shm.check(lib.yr_commit(a.base, a.slot, block), "commit")
+
+    def put_with(self, key: str, meta: bytes, nbytes: int, fill, *, priority: int = 0,
+                 ttl: float | None = None) -> None:
+        """Reserve ``nbytes`` for ``key``, let ``fill(view)`` write them, then publish.
+
+        ``view`` is a writable flat uint8 ndarray over the arena block; ``fill``
+        may cast or copy from a device straight into it (one copy in all).  If
+        ``fill`` raises, nothing becomes visible.  ``meta`` comes from
+        ``codec.tensor_meta``/``codec.array_meta``.
+        """
+        a = self._a
+        kb = key_bytes(key)
+        expire_at = _expire_at(ttl)
+        poff = ffi.new("uint64_t *")
+        for attempt in (0, 1):
+            rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
+                                int(priority), expire_at, poff)
+            if rc > 0:
+                self._fill_and_commit(a, rc, poff[0], fill, nbytes)
+                return
+            if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+                shm.check(rc, f"put of {kb[:60]!r}")
+            if rc == lib.YR_ETOOBIG or attempt:
+                raise self._full_error(nbytes)
+            a.sweep()
+            lib.yr_expire(a.base, time.time())
 
     def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
@@ -318,6 +347,21 @@ class TieredStore(MutableMapping):
         finally:
             a.unpin(info.pin)
         return out
+
+    def _info(self, key: str) -> tuple[bytes, int, Tier] | None:
+        """(codec header, payload size, tier) of ``key`` without building a view."""
+        a = self._a
+        kb = key_bytes(key)
+        info = ffi.new("yr_objinfo *")
+        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
+        if rc == lib.YR_ENOTFOUND:
+            return None
+        shm.check(rc, f"info of {key[:60]!r}")
+        try:
+            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+        finally:
+            a.unpin(info.pin)
+        return meta, info.nbytes, Tier.DRAM
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):

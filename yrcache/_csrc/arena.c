@@ -958,3 +958,19 @@ int yr_prefault(void *addr, uint64_t size) {
 }
 
 void yr_memcpy(void *dst, const void *src, uint64_t n) { memcpy(dst, src, n); }
+
+/* Test hook: take the lock and return without releasing it, so a test can
+ * kill the process while it "holds" the lock.  With scramble set, also wipe
+ * the derived structures (index heads, free lists, counts) as a death in the
+ * middle of an update might, so recovery has to rebuild them all. */
+int yr_debug_hold_lock(void *base, int scramble) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    if (scramble) {
+        memset(BUCKETS(h), 0, h->nbuckets * 8);
+        memset(h->freehead, 0, sizeof(h->freehead));
+        h->free_bitmap = 0;
+        h->used = h->objects = h->pinned_bytes = 0;
+    }
+    return YR_OK;
+}

@@ -94,6 +94,7 @@ void yr_count(void *base, int which, uint64_t n);
 int  yr_expire(void *base, double now);
 int  yr_recover(void *base);
 int  yr_check_invariants(void *base, char *msg, uint32_t msglen);
+int  yr_debug_hold_lock(void *base, int scramble);  /* tests only */
 
 /* version word for publish/subscribe wake-ups (futex) */
 uint32_t *yr_notify_word(void *base, uint32_t index);

@@ -251,6 +251,28 @@ class Arena:
     def live_views(self) -> int:
         return len(self._views)
 
+    # ------------------------------------------------------------ notify
+
+    NOTIFY_WORDS = 16
+
+    def notify_value(self, index: int) -> int:
+        """Current value of futex word ``index`` (0-15); bumps on every wake."""
+        return lib.yr_notify_word(self.base, index)[0]
+
+    def notify_wait(self, index: int, seen: int, timeout: float | None) -> bool:
+        """Sleep until word ``index`` differs from ``seen`` or ``timeout`` passes.
+
+        A futex in the shared arena: no polling, no socket; wakes within
+        microseconds of ``notify_wake``.  Returns False on timeout.
+        """
+        rc = lib.yr_futex_wait(lib.yr_notify_word(self.base, index), seen,
+                               -1.0 if timeout is None else max(timeout, 0.0))
+        return rc != 1
+
+    def notify_wake(self, index: int) -> None:
+        """Bump word ``index`` and wake every process waiting on it."""
+        lib.yr_futex_wake(lib.yr_notify_word(self.base, index))
+
     # ----------------------------------------------------------- closing
 
     def release_handle(self) -> None:

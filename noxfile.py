@@ -1,0 +1,27 @@
+"""nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s bench``."""
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests", "lint"]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The test suite (the README's test command)."""
+    session.install("-e", ".[test]")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the package, tests and benchmarks."""
+    session.install("ruff")
+    session.run("ruff", "check", "--select", "E,F,W,B", "--ignore", "E501,B008", "yrcache", "tests", "bench")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """All benchmarks; figures go to docs/benchmarks.md by hand, with the command."""
+    session.install("-e", ".[all]")
+    session.run("python", "bench/bench_store.py", *session.posargs)

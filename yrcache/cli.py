@@ -1,0 +1,120 @@
+"""The ``yrcache`` command: inspect and manage stores on this node.
+
+    yrcache stat NAME          capacity, use and counters of a store
+    yrcache ls NAME [PREFIX]   keys (with tier, kind and size)
+    yrcache destroy NAME       unlink a store (e.g. one left by a crashed owner)
+    yrcache list               stores on this node
+    yrcache example            two processes sharing a tensor zero-copy
+
+Errors print one line on stderr and exit with status 1 (2 for bad usage).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import YrcacheError
+from .sizes import format_size
+
+
+def _open(name: str):
+    from .store import TieredStore
+
+    return TieredStore.attach(name)
+
+
+def cmd_stat(args) -> int:
+    s = _open(args.name)
+    try:
+        st = s.stats()
+    finally:
+        s.close()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    print(f"store {st['name']}  ({st['processes']} attached process(es))")
+    print(f"{'tier':<6} {'capacity':>12} {'used':>12} {'objects':>10}")
+    for tier, t in st["tiers"].items():
+        print(f"{tier:<6} {format_size(t['capacity']):>12} {format_size(t['used']):>12} {t['objects']:>10}")
+    for k in ("hits", "misses", "puts", "deletes", "spills", "promotions", "evictions", "recoveries"):
+        print(f"{k:<12} {st[k]}")
+    print(f"{'pinned':<12} {format_size(st['pinned_bytes'])}")
+    return 0
+
+
+def cmd_ls(args) -> int:
+    from . import codec
+
+    s = _open(args.name)
+    try:
+        for key in sorted(s.keys(prefix=args.prefix or "")):
+            info = s._info(key) if hasattr(s, "_info") else None
+            if info is None:
+                print(key)
+                continue
+            meta, nbytes, tier = info
+            d = codec.describe(meta)
+            what = d["kind"] + (f" {d['dtype']}{list(d['shape'])}" if "dtype" in d else "")
+            print(f"{key}\t{tier.name.lower()}\t{format_size(nbytes)}\t{what}")
+    finally:
+        s.close()
+    return 0
+
+
+def cmd_destroy(args) -> int:
+    from .tiers import shm
+
+    shm.check_name(args.name)
+    if not shm.destroy(args.name):
+        print(f"yrcache: no store named {args.name!r} on this node", file=sys.stderr)
+        return 1
+    print(f"destroyed {args.name}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .tiers import shm
+
+    for name in shm.list_stores():
+        print(name)
+    return 0
+
+
+def cmd_example(args) -> int:
+    from .example import main as example_main
+
+    return example_main()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="yrcache", description="Inspect and manage yrcache stores on this node.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("stat", help="capacity, use and counters of a store")
+    sp.add_argument("name")
+    sp.add_argument("--json", action="store_true", help="print the stats() dict as JSON")
+    sp.set_defaults(fn=cmd_stat)
+    sp = sub.add_parser("ls", help="list keys of a store")
+    sp.add_argument("name")
+    sp.add_argument("prefix", nargs="?", default="")
+    sp.set_defaults(fn=cmd_ls)
+    sp = sub.add_parser("destroy", help="unlink a store's shared memory")
+    sp.add_argument("name")
+    sp.set_defaults(fn=cmd_destroy)
+    sp = sub.add_parser("list", help="stores on this node")
+    sp.set_defaults(fn=cmd_list)
+    sp = sub.add_parser("example", help="two processes share a tensor zero-copy")
+    sp.set_defaults(fn=cmd_example)
+    args = p.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (YrcacheError, ValueError, OSError) as e:
+        print(f"yrcache: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
