@@ -64,7 +64,7 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         if value.dtype.kind not in _NUMPY_KINDS or value.dtype.hasobject:
             return _fallback(value, allow_pickle,
                              f"numpy dtype {value.dtype} is not supported (numeric and bool dtypes are)")
-        arr = np.ascontiguousarray(value)
+        arr = value if value.flags.c_contiguous else value.copy(order="C")  # ascontiguousarray makes 0-d 1-d
         if arr.dtype.byteorder == ">":  # store native, so views need no swap
             arr = arr.astype(arr.dtype.newbyteorder("="))
         meta = f"N;{arr.dtype.str};{_shape_str(arr.shape)}".encode()
@@ -121,9 +121,9 @@ def decoder(meta: bytes) -> Callable[[Any, int], Any]:
             dtype = np.dtype(dt)
 
             def build_array(buf, n):
-                arr = np.frombuffer(buf, dtype=dtype, count=n // dtype.itemsize).reshape(shape)
-                arr.flags.writeable = False
-                return arr
+                # over a read-only buffer, so nobody can flip `writeable` back on
+                ro = memoryview(buf).toreadonly()
+                return np.frombuffer(ro, dtype=dtype, count=n // dtype.itemsize).reshape(shape)
             return build_array
         if kind == b"T":
             torch = _torch()

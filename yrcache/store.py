@@ -17,9 +17,13 @@ from typing import Any
 
 import numpy as np
 
+import json
+
 from . import codec
 from ._arena import ffi, lib
-from .errors import StoreClosedError, StoreFullError, StoreNotFoundError, YrcacheError
+from .errors import StoreClosedError, StoreFullError, YrcacheError
+from .mover import ANY_SEQ, TIER_DRAM, TIER_SSD, Mover, scan
+from .policy import Policy
 from .sizes import format_size, parse_size
 from .tiers import shm
 
@@ -27,6 +31,7 @@ MAX_KEY_BYTES = 1024
 SMALL_VALUE = 64 * 1024        # at or below: copy under the arena lock in one C call
 DEFAULT_DRAM = "1GiB"
 _MISSING = object()
+_RETRY = object()
 
 
 class Tier(enum.IntEnum):
@@ -43,6 +48,9 @@ class WriteMode(enum.Enum):
     WRITE_THROUGH = "write_through"
     ASYNC = "async"
     NONE = "none"
+
+
+_TIERS = {TIER_DRAM: Tier.DRAM, TIER_SSD: Tier.SSD, 3: Tier.HBM}
 
 
 def key_bytes(key: Any) -> bytes:
@@ -79,53 +87,103 @@ class TieredStore(MutableMapping):
                  hbm: int | str | None = None, device: str | None = None,
                  capacity: int | str | None = None, ratios: tuple[float, float, float] | None = None,
                  policy: str = "spill", pickle: bool = False, prefault: bool = True,
+                 watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
                  cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
                  write_mode: WriteMode | str | None = None, _attach: bool = False):
         self._arena: shm.Arena | None = None
+        self._disk = None
         if cluster is not None or (os.environ.get("YRCACHE_ETCD") and not _attach):
             raise NotImplementedError(
                 "cluster mode is not available in this version of yrcache; "
                 "unset YRCACHE_ETCD and drop cluster= to use the embedded store"
             )
-        unsupported = {k: v for k, v in (("ssd", ssd), ("ssd_size", ssd_size), ("hbm", hbm),
-                                         ("device", device)) if v is not None}
-        if unsupported:
+        hbm = hbm if hbm is not None else os.environ.get("YRCACHE_HBM")
+        if hbm is not None or device is not None:
             raise NotImplementedError(
-                f"{', '.join(unsupported)}: only the DRAM tier exists in this version of yrcache; "
-                "size it with dram= (the SSD and HBM tiers are coming)"
+                "hbm=/device=: the HBM tier is not available in this version of yrcache; "
+                "use the DRAM arena (dram=) and the SSD tier (ssd=)"
             )
         if policy not in ("spill", "cache"):
             raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
         self._pickle = bool(pickle)
-        self._policy = policy
         self._write_mode = _write_mode(write_mode)
+        self._closed = False
         if _attach:
             self._arena = shm.Arena(name)
             self.name = name
-            self._closed = False
+            self._configure(self._read_config())
             return
         dram_b = parse_size(dram if dram is not None else os.environ.get("YRCACHE_DRAM"), "dram")
+        ssd = ssd if ssd is not None else os.environ.get("YRCACHE_SSD")
+        ssd_b = parse_size(ssd_size if ssd_size is not None else os.environ.get("YRCACHE_SSD_SIZE"), "ssd_size")
         cap_b = parse_size(capacity, "capacity")
         if cap_b is not None:
             r = _check_ratios(ratios)
-            if r[0] or r[2]:
+            if r[0]:
                 raise NotImplementedError(
-                    "ratios give HBM or SSD a share, but only the DRAM tier exists in this version; "
-                    "use ratios=(0, 1, 0) or dram="
+                    "ratios give HBM a share, but the HBM tier is not available in this version; "
+                    "use ratios=(0, dram_share, ssd_share)"
                 )
             dram_b = dram_b or int(cap_b * r[1])
+            if r[2]:
+                ssd_b = ssd_b or int(cap_b * r[2])
+                if ssd is None:
+                    raise ValueError("ratios give SSD a share: pass ssd= (a directory) as well")
         elif ratios is not None:
             raise ValueError("ratios= splits capacity=; pass capacity= as well")
         if dram_b is None:
             dram_b = parse_size(DEFAULT_DRAM)
         if dram_b < lib.yr_arena_min_size():
             raise ValueError(f"dram must be at least {format_size(lib.yr_arena_min_size())}, got {dram_b} bytes")
+        if ssd_b is not None and ssd is None:
+            raise ValueError("ssd_size= needs ssd= (the directory for the SSD tier)")
+        high, low = (float(w) for w in watermarks)
+        config = {"ssd": os.path.abspath(os.fspath(ssd)) if ssd is not None else None,
+                  "ssd_size": ssd_b, "policy": policy, "high": high, "low": low,
+                  "promote_after": int(promote_after)}
+        Policy(high, low, int(promote_after))  # validates before anything is created
         self.name = shm.check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         arena = shm.Arena(self.name, create=True, size=dram_b, prefault=prefault)
-        if not arena.created:
+        adopted = not arena.created
+        if adopted:
             arena = self._adopt(arena)
         self._arena = arena
-        self._closed = False
+        try:
+            if adopted:
+                config = self._read_config() or config
+            else:
+                self._write_config(config)
+            self._configure(config)
+            if self._disk is not None and not adopted:
+                self._mover.rebuild()          # a fresh arena over an old SSD directory
+            elif self._disk is not None and len(arena.attached()) == 1:
+                self._mover.vacuum()           # adopted, nobody else moving: drop stray copies
+        except BaseException:
+            self.destroy()
+            raise
+
+    def _configure(self, config: dict | None) -> None:
+        config = config or {}
+        self._policy = Policy(config.get("high", 0.9), config.get("low", 0.8), config.get("promote_after", 2))
+        if config.get("ssd"):
+            from .tiers.disk import DiskTier
+
+            self._disk = DiskTier(config["ssd"], config.get("ssd_size"))
+        self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache")
+        self._config = config
+
+    def _write_config(self, config: dict) -> None:
+        n = ffi.new("uint32_t *")
+        area = lib.yr_config_area(self._arena.base, n)
+        data = json.dumps(config).encode()
+        if len(data) >= n[0]:
+            raise ValueError(f"store settings too long ({len(data)} bytes); use a shorter ssd= path")
+        ffi.memmove(area, data + b"\x00", len(data) + 1)
+
+    def _read_config(self) -> dict | None:
+        n = ffi.new("uint32_t *")
+        data = ffi.string(lib.yr_config_area(self._arena.base, n), n[0])
+        return json.loads(data) if data else None
 
     def _adopt(self, arena: shm.Arena) -> shm.Arena:
         """Take over an existing segment whose owner is gone; refuse a live one."""
@@ -176,6 +234,20 @@ class TieredStore(MutableMapping):
         lib.yr_get_stats(self._a.base, out)
         return out
 
+    def _check_tier(self, tier: Tier | None) -> Tier | None:
+        if tier is None or tier == Tier.DRAM:
+            return tier
+        if not isinstance(tier, Tier):
+            raise TypeError(f"tier must be a yrcache.Tier, not {tier!r}")
+        if tier == Tier.SSD and self._disk is None:
+            raise ValueError("tier=Tier.SSD needs an SSD tier: create the store with ssd=<directory>")
+        if tier == Tier.HBM:
+            raise NotImplementedError(
+                "Tier.HBM: the HBM tier is not available in this version of yrcache; "
+                "use Tier.DRAM or Tier.SSD"
+            )
+        return tier
+
     # ---------------------------------------------------------------- puts
 
     def put(self, key: str, value: Any, tier: Tier | None = None, priority: int = 0,
@@ -188,37 +260,84 @@ class TieredStore(MutableMapping):
         """
         a = self._a
         kb = key_bytes(key)
-        _check_tier(tier)
+        tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         meta, payload, nbytes = codec.encode(value, self._pickle)
-        self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at)
+        self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
 
     def _put_encoded(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
-                     priority: int, expire_at: float) -> None:
-        for attempt in (0, 1):
-            if nbytes <= SMALL_VALUE:
+                     priority: int, expire_at: float, tier: Tier | None = None) -> None:
+        """Place one encoded object: DRAM unless told or forced otherwise.
+
+        ``payload`` is a buffer, or a callable that fills the arena block.
+        """
+        block = nbytes + len(kb) + len(meta) + 256
+        if tier == Tier.SSD or (self._disk is not None and block > a.size // 2
+                                and block > self._raw_stats().largest_free):
+            return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
+        self._mover.make_room(block)
+        retired = ffi.new("yr_retired *")
+        for attempt in range(3):
+            if nbytes <= SMALL_VALUE and not callable(payload):
                 src = ffi.from_buffer(payload) if nbytes else ffi.NULL
-                rc = lib.yr_put_small(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
-                                      priority, expire_at)
-                if rc == 0:
-                    return
+                rc = lib.yr_put_small_ex(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
+                                         priority, expire_at, retired)
             else:
                 poff = ffi.new("uint64_t *")
                 rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
                                     priority, expire_at, poff)
                 if rc > 0:
-                    self._fill_and_commit(a, rc, poff[0], payload, nbytes)
-                    return
+                    rc = self._fill_and_commit(a, rc, poff[0], payload, nbytes, retired)
+            if rc == 0:
+                self._mover.forget(kb.decode(), retired)
+                return
             if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
                 shm.check(rc, f"put of {kb[:60]!r}")
-            if rc == lib.YR_ETOOBIG or attempt:
-                raise self._full_error(nbytes)
-            # Before giving up: reclaim what dead processes and expired keys hold.
-            a.sweep()
-            lib.yr_expire(a.base, time.time())
+            if rc == lib.YR_ETOOBIG:
+                break
+            # No room: reclaim what dead processes and expired keys hold, then
+            # demote (or, in cache mode, drop) cold objects.
+            if attempt == 0:
+                a.sweep()
+                lib.yr_expire(a.base, time.time())
+            elif not self._mover.demote(block):
+                break
+        if self._disk is not None:
+            return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
+        raise self._full_error(nbytes)
 
-    def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int) -> None:
+    def _put_ssd(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
+                 priority: int, expire_at: float) -> None:
+        if self._disk is None:
+            raise ValueError("tier=Tier.SSD needs an SSD tier: create the store with ssd=<directory>")
+        if callable(payload):   # a filler writes into a buffer; give it a private one
+            buf = np.empty(nbytes, dtype=np.uint8)
+            payload(buf)
+            payload = buf
+        from .mover import disk_key, new_gen
+
+        gen = new_gen()
+        key = kb.decode()
+        self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
+        stub = ffi.new("yr_objinfo *")
+        stub.nbytes, stub.priority, stub.expire_at = nbytes, priority, expire_at
+        retired = ffi.new("yr_retired *")
+        poff = ffi.new("uint64_t *")
+        for attempt in (0, 1):
+            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, nbytes,
+                                    priority, expire_at, TIER_SSD, 0, gen, 0, poff)
+            if off > 0:
+                shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
+                self._mover.forget(key, retired)
+                return
+            if not attempt:
+                self._mover.demote(4096)
+        self._disk.delete(disk_key(gen, key))
+        raise self._full_error(nbytes)
+
+    def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int,
+                         retired) -> int:
         try:
             dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + payload_off), nbytes), dtype=np.uint8)
             if callable(payload):
@@ -229,7 +348,7 @@ class TieredStore(MutableMapping):
         except BaseException:
             lib.yr_abort(a.base, a.slot, block)
             raise
-        shm.check(lib.yr_commit(a.base, a.slot, block), "commit")
+        return lib.yr_commit_ex(a.base, a.slot, block, ANY_SEQ, retired)
 
     def put_with(self, key: str, meta: bytes, nbytes: int, fill, *, priority: int = 0,
                  ttl: float | None = None) -> None:
@@ -242,65 +361,73 @@ class TieredStore(MutableMapping):
         """
         a = self._a
         kb = key_bytes(key)
-        expire_at = _expire_at(ttl)
-        poff = ffi.new("uint64_t *")
-        for attempt in (0, 1):
-            rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
-                                int(priority), expire_at, poff)
-            if rc > 0:
-                self._fill_and_commit(a, rc, poff[0], fill, nbytes)
-                return
-            if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
-                shm.check(rc, f"put of {kb[:60]!r}")
-            if rc == lib.YR_ETOOBIG or attempt:
-                raise self._full_error(nbytes)
-            a.sweep()
-            lib.yr_expire(a.base, time.time())
+        self._put_encoded(a, kb, meta, fill, int(nbytes), int(priority), _expire_at(ttl))
 
     def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
              write_mode: WriteMode | str | None = None) -> None:
         """Put several values; each one is atomic (the batch as a whole is not)."""
         a = self._a
-        _check_tier(tier)
+        tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         pairs = items.items() if isinstance(items, dict) else items
         encoded = [(key_bytes(k), *codec.encode(v, self._pickle)) for k, v in pairs]
         for kb, meta, payload, nbytes in encoded:
-            self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at)
+            self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.put(key, value)
 
     # ---------------------------------------------------------------- gets
 
-    def _view(self, a: shm.Arena, info) -> Any:
+    def _view(self, a: shm.Arena, info, key: str | None = None) -> Any:
+        """Build the value for a pinned lookup result (consumes the pin)."""
         meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
         dec = codec.decoder(meta)
+        if info.tier != TIER_DRAM:
+            a.unpin(info.pin)   # a stub: the bytes live in a lower tier
+            return self._from_lower(key, info, meta)
         ptr = a.pinned_ptr(info.payload_off, info.pin, info.block_off)
         return dec(ffi.buffer(ptr, info.nbytes), info.nbytes)
+
+    def _from_lower(self, key: str, info, meta: bytes) -> Any:
+        """Read an object that lives on SSD: promote it if it is hot, else a private copy."""
+        mover = self._mover
+        free_above = int(self._policy.high * self._a.size)
+        if mover.policy.should_promote(info.access_count, info.nbytes, free_above) and \
+                mover.promote(key, info, meta):
+            return _RETRY
+        got = mover.read(key, info, meta)
+        if got is None:
+            return _RETRY       # it moved or changed while we looked: look again
+        meta, buf = got
+        return codec.decoder(meta)(buf, len(buf))
 
     def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
         """The value of ``key`` as a read-only zero-copy view, or ``default``.
 
         The view pins the stored bytes until its last reference dies.  With
-        ``copy=True`` returns a private writable copy instead.  O(1).
+        ``copy=True`` returns a private writable copy instead.  O(1) for a
+        DRAM object; an SSD object is read (one copy) or promoted first.
         """
         a = self._a
         kb = key_bytes(key)
         info = ffi.new("yr_objinfo *")
-        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
-        if rc == lib.YR_ENOTFOUND:
-            return default
-        if rc == lib.YR_ENOPINS:
-            raise YrcacheError(
-                f"store {self.name!r} has too many live views; drop references to values "
-                "you no longer need (each view pins its object)"
-            )
-        shm.check(rc, f"get of {key[:60]!r}")
-        value = self._view(a, info)
-        return codec.private_copy(value) if copy else value
+        for _ in range(8):
+            rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
+            if rc == lib.YR_ENOTFOUND:
+                return default
+            if rc == lib.YR_ENOPINS:
+                raise YrcacheError(
+                    f"store {self.name!r} has too many live views; drop references to values "
+                    "you no longer need (each view pins its object)"
+                )
+            shm.check(rc, f"get of {key[:60]!r}")
+            value = self._view(a, info, key)
+            if value is not _RETRY:
+                return codec.private_copy(value) if copy else value
+        raise YrcacheError(f"{key!r} kept moving between tiers while being read; try again")
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key, _MISSING)
@@ -322,7 +449,8 @@ class TieredStore(MutableMapping):
         if rc == lib.YR_ENOPINS:
             raise YrcacheError(f"store {self.name!r} has too many live views; drop unused values")
         shm.check(rc, "mget")
-        out = [self._view(a, infos[i]) if found[i] else None for i in range(n)]
+        out = [self._view(a, infos[i], kbs[i].decode()) if found[i] else None for i in range(n)]
+        out = [self.get(kbs[i].decode()) if v is _RETRY else v for i, v in enumerate(out)]
         return [codec.private_copy(v) for v in out] if copy else out
 
     def get_into(self, key: str, out: Any) -> Any:
@@ -339,6 +467,14 @@ class TieredStore(MutableMapping):
         if rc == lib.YR_ENOTFOUND:
             raise KeyError(key)
         shm.check(rc, f"get_into of {key[:60]!r}")
+        if info.tier != TIER_DRAM:      # on SSD: read it (or promote it), then copy
+            a.unpin(info.pin)
+            value = self.get(key, _MISSING)
+            if value is _MISSING:
+                raise KeyError(key)
+            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+            _copy_out(key, meta, _as_u8(value), out)
+            return out
         try:
             meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
             src = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off), info.nbytes),
@@ -353,7 +489,7 @@ class TieredStore(MutableMapping):
         a = self._a
         kb = key_bytes(key)
         info = ffi.new("yr_objinfo *")
-        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
+        rc = lib.yr_get(a.base, a.slot, kb, len(kb), 3, info)
         if rc == lib.YR_ENOTFOUND:
             return None
         shm.check(rc, f"info of {key[:60]!r}")
@@ -361,7 +497,7 @@ class TieredStore(MutableMapping):
             meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
         finally:
             a.unpin(info.pin)
-        return meta, info.nbytes, Tier.DRAM
+        return meta, info.nbytes, _TIERS[info.tier]
 
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
@@ -374,16 +510,20 @@ class TieredStore(MutableMapping):
 
     def tier_of(self, key: str) -> Tier:
         """The tier that holds ``key`` now; ``KeyError`` when missing."""
-        if key not in self:
+        info = self._info(key)
+        if info is None:
             raise KeyError(key)
-        return Tier.DRAM
+        return info[2]
 
     # ------------------------------------------------------------- deletes
 
     def delete(self, key: str) -> bool:
         """Remove ``key``; True if it existed.  Views of it stay valid."""
         kb = key_bytes(key)
-        return lib.yr_delete(self._a.base, kb, len(kb)) == 0
+        retired = ffi.new("yr_retired *")
+        rc = lib.yr_delete_ex(self._a.base, kb, len(kb), ANY_SEQ, retired)
+        self._mover.forget(key, retired)
+        return rc == 0
 
     def __delitem__(self, key: str) -> None:
         if not self.delete(key):
@@ -417,10 +557,15 @@ class TieredStore(MutableMapping):
         a = self._a
         a.sweep()
         st = self._raw_stats()
+        stubs = sum(1 for r, _ in scan(a) if r.tier != TIER_DRAM) if self._disk is not None else 0
+        tiers = {"dram": {"capacity": st.capacity, "used": st.used, "objects": st.objects - stubs,
+                          "free": st.free_bytes, "largest_free": st.largest_free}}
+        if self._disk is not None:
+            tiers["ssd"] = {"capacity": self._disk.capacity, "used": self._disk.used, "objects": stubs,
+                            "path": self._disk.path}
         return {
             "name": self.name,
-            "tiers": {"dram": {"capacity": st.capacity, "used": st.used, "objects": st.objects,
-                               "free": st.free_bytes, "largest_free": st.largest_free}},
+            "tiers": tiers,
             "hits": st.hits, "misses": st.misses, "puts": st.puts, "deletes": st.deletes,
             "spills": st.spills, "promotions": st.promotions, "evictions": st.evictions,
             "pinned_bytes": st.pinned_bytes, "orphans": st.orphans, "recoveries": st.recoveries,
@@ -428,7 +573,8 @@ class TieredStore(MutableMapping):
         }
 
     def flush(self) -> None:
-        """Wait for background replication and spills (none in an embedded DRAM store)."""
+        """Wait for background replication and spills (an embedded store moves
+        objects synchronously, so there is nothing to wait for)."""
         self._a
 
     # ------------------------------------------------------------ lifecycle
@@ -443,6 +589,8 @@ class TieredStore(MutableMapping):
         already returned stay valid."""
         if self._arena is not None and not self._closed:
             self._closed = True
+            if self._disk is not None:
+                self._disk.close()
             self._arena.release_handle()
 
     def destroy(self) -> None:
@@ -531,14 +679,13 @@ def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
     np.copyto(dst, src)
 
 
-def _check_tier(tier: Tier | None) -> None:
-    if tier is None or tier == Tier.DRAM:
-        return
-    if not isinstance(tier, Tier):
-        raise TypeError(f"tier must be a yrcache.Tier, not {tier!r}")
-    raise NotImplementedError(
-        f"{tier!r}: only the DRAM tier exists in this version of yrcache; pass tier=Tier.DRAM or no tier"
-    )
+def _as_u8(value: Any) -> np.ndarray:
+    """Flat uint8 view of a value returned by ``get`` (no copy)."""
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).view(np.uint8)
+    if codec.is_tensor(value):
+        return codec.as_bytes_view(value)
+    return np.frombuffer(value, dtype=np.uint8)
 
 
 def _check_ratios(ratios) -> tuple[float, float, float]:

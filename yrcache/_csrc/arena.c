@@ -92,6 +92,7 @@ typedef struct {
     uint32_t pad0;
     uint32_t notify[NNOTIFY];
     uint64_t user[NUSER];
+    char     config[4096];  /* the creator's settings (JSON), read by attachers */
     char     lockpad[0] __attribute__((aligned(64)));
     pthread_mutex_t lock;
 } hdr_t;
@@ -104,6 +105,9 @@ _Static_assert(sizeof(blk_t) == BLK_HDR, "block header must be 128 bytes");
 #define PROCS(h)       ((proc_t *)((char *)(h) + (h)->procs_off))
 #define PINS(h)        ((pin_t *)((char *)(h) + (h)->pins_off))
 #define KEY(b)         ((char *)(b) + BLK_HDR)
+/* Keys starting with NUL are the store's own (configuration): no public key
+ * can collide with them, and they stay out of counts, scans and key lists. */
+#define INTERNAL(b)    ((b)->klen && KEY(b)[0] == 0)
 
 static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) & ~(a - 1); }
 
@@ -265,7 +269,7 @@ static void retire_locked(hdr_t *h, uint64_t *slot) {
     blk_t *b = AT(h, off);
     *slot = b->next;
     b->next = 0;
-    h->objects--;
+    if (!INTERNAL(b)) h->objects--;
     if (b->pins) {
         b->state = ST_ORPHAN;
         h->orphans++;
@@ -466,12 +470,15 @@ static uint64_t block_need(uint32_t klen, uint32_t mlen, uint64_t nbytes, uint32
     return need < MIN_BLOCK ? MIN_BLOCK : need;
 }
 
+#define TIER_DRAM 1
+
 static int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
-                              const char *meta, uint32_t mlen, uint64_t nbytes,
-                              int64_t priority, double expire_at) {
+                              const char *meta, uint32_t mlen, uint64_t alloc_bytes,
+                              uint64_t nbytes, int64_t priority, double expire_at,
+                              uint32_t tier, uint32_t owner, uint64_t gen) {
     uint32_t rel;
-    if (nbytes > h->heap_size) return YR_ETOOBIG;
-    uint64_t need = block_need(klen, mlen, nbytes, &rel);
+    if (alloc_bytes > h->heap_size) return YR_ETOOBIG;
+    uint64_t need = block_need(klen, mlen, alloc_bytes, &rel);
     if (need > h->heap_size) return YR_ETOOBIG;
     uint64_t off = alloc_block(h, need);
     if (!off) return YR_ENOSPC;
@@ -489,6 +496,8 @@ static int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t
     b->expire_at = expire_at;
     b->access_count = 0;
     b->last_access = now_realtime();
+    b->aux[0] = ((uint64_t)owner << 32) | tier;
+    b->aux[1] = gen;
     memcpy(KEY(b), key, klen);
     memcpy(KEY(b) + klen, meta, mlen);
     b->state = ST_RESERVED;
@@ -501,32 +510,73 @@ int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen,
                    int64_t priority, double expire_at, uint64_t *payload_off) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
-    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, priority, expire_at);
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, nbytes, priority,
+                                 expire_at, TIER_DRAM, 0, 0);
     unlock(h);
     if (off > 0) *payload_off = (uint64_t)off + AT(h, off)->payload_rel;
     return off;
 }
 
-static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off) {
+int64_t yr_reserve_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
+                      const char *meta, uint32_t mlen, uint64_t alloc_bytes, uint64_t nbytes,
+                      int64_t priority, double expire_at, uint32_t tier, uint32_t owner,
+                      uint64_t gen, uint64_t access_count, uint64_t *payload_off) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, alloc_bytes, nbytes, priority,
+                                 expire_at, tier, owner, gen);
+    if (off > 0) AT(h, off)->access_count = access_count;
+    unlock(h);
+    if (off > 0) *payload_off = (uint64_t)off + AT(h, off)->payload_rel;
+    return off;
+}
+
+static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expected_seq,
+                         yr_retired *out) {
     blk_t *b = AT(h, off);
     if (b->state != ST_RESERVED || b->owner != slot) return YR_ESTATE;
     uint64_t *old = find_slot(h, b->hash, KEY(b), b->klen);
-    if (old) retire_locked(h, old);
+    if (expected_seq != UINT64_MAX) {
+        uint64_t cur = old ? AT(h, *old)->seq : 0;
+        if (cur != expected_seq) return YR_ENOTFOUND;   /* someone got there first */
+    }
+    if (out) memset(out, 0, sizeof(*out));
+    if (old) {
+        blk_t *o = AT(h, *old);
+        if (out) {
+            out->existed = 1;
+            out->tier = (uint32_t)o->aux[0];
+            out->gen = o->aux[1];
+            out->seq = o->seq;
+            out->nbytes = o->nbytes;
+        }
+        retire_locked(h, old);
+    }
     uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
     b->seq = ++h->seq;
     b->next = *bucket;
     b->state = ST_LIVE;
     *bucket = off;   /* the object becomes visible here, atomically */
     h->reserved--;
-    h->objects++;
-    h->counters[C_PUTS]++;
+    if (!INTERNAL(b)) {
+        h->objects++;
+        h->counters[C_PUTS]++;
+    }
     return YR_OK;
 }
 
 int yr_commit(void *base, uint32_t slot, uint64_t off) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
-    int r = commit_locked(h, slot, off);
+    int r = commit_locked(h, slot, off, UINT64_MAX, NULL);
+    unlock(h);
+    return r;
+}
+
+int yr_commit_ex(void *base, uint32_t slot, uint64_t off, uint64_t expected_seq, yr_retired *out) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int r = commit_locked(h, slot, off, expected_seq, out);
     unlock(h);
     return r;
 }
@@ -550,11 +600,29 @@ int yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen,
                  int64_t priority, double expire_at) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
-    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, priority, expire_at);
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, nbytes, priority,
+                                 expire_at, TIER_DRAM, 0, 0);
     if (off > 0) {
         blk_t *b = AT(h, off);
         memcpy((char *)b + b->payload_rel, data, nbytes);
-        commit_locked(h, slot, (uint64_t)off);
+        commit_locked(h, slot, (uint64_t)off, UINT64_MAX, NULL);
+        off = 0;
+    }
+    unlock(h);
+    return (int)off;
+}
+
+int yr_put_small_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
+                    const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
+                    int64_t priority, double expire_at, yr_retired *out) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, nbytes, priority,
+                                 expire_at, TIER_DRAM, 0, 0);
+    if (off > 0) {
+        blk_t *b = AT(h, off);
+        memcpy((char *)b + b->payload_rel, data, nbytes);
+        commit_locked(h, slot, (uint64_t)off, UINT64_MAX, out);
         off = 0;
     }
     unlock(h);
@@ -567,7 +635,8 @@ static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, i
                       double now, yr_objinfo *out) {
     uint64_t hash = hash_key(key, klen);
     uint64_t *s = find_slot(h, hash, key, klen);
-    if (!s) { h->counters[C_MISSES]++; return YR_ENOTFOUND; }
+    int internal = klen && key[0] == 0;
+    if (!s) { if (!internal && !(pin & 2)) h->counters[C_MISSES]++; return YR_ENOTFOUND; }
     blk_t *b = AT(h, *s);
     if (expired(b, now)) {
         retire_locked(h, s);
@@ -576,14 +645,18 @@ static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, i
     }
     uint64_t off = *s;
     out->pin = 0;
+    int quiet = pin & 2;    /* a look that is not a read: no access count, no hit */
+    pin &= 1;
     if (pin) {
         int p = pin_locked(h, slot, off);
         if (p < 0) return p;
         out->pin = (uint32_t)p;
     }
-    b->access_count++;
-    b->last_access = now;
-    h->counters[C_HITS]++;
+    if (!quiet) {
+        b->access_count++;
+        b->last_access = now;
+        if (!internal) h->counters[C_HITS]++;
+    }
     out->block_off = off;
     out->payload_off = off + b->payload_rel;
     out->nbytes = b->nbytes;
@@ -593,6 +666,9 @@ static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, i
     out->expire_at = b->expire_at;
     out->access_count = b->access_count;
     out->seq = b->seq;
+    out->tier = (uint32_t)b->aux[0];
+    out->owner = (uint32_t)(b->aux[0] >> 32);
+    out->gen = b->aux[1];
     return YR_OK;
 }
 
@@ -661,6 +737,30 @@ int yr_delete(void *base, const char *key, uint32_t klen) {
     return r;
 }
 
+int yr_delete_ex(void *base, const char *key, uint32_t klen, uint64_t expected_seq,
+                 yr_retired *out) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    uint64_t hash = hash_key(key, klen);
+    memset(out, 0, sizeof(*out));
+    if (lock(h)) return YR_ELOCK;
+    uint64_t *s = find_slot(h, hash, key, klen);
+    int r = YR_ENOTFOUND;
+    if (s && (expected_seq == UINT64_MAX || AT(h, *s)->seq == expected_seq)) {
+        blk_t *b = AT(h, *s);
+        r = expired(b, now) ? YR_ENOTFOUND : YR_OK;
+        out->existed = 1;
+        out->tier = (uint32_t)b->aux[0];
+        out->gen = b->aux[1];
+        out->seq = b->seq;
+        out->nbytes = b->nbytes;
+        retire_locked(h, s);
+        if (r == YR_OK) h->counters[C_DELETES]++;
+    }
+    unlock(h);
+    return r;
+}
+
 int yr_contains(void *base, const char *key, uint32_t klen) {
     hdr_t *h = H(base);
     double now = now_realtime();
@@ -702,7 +802,7 @@ int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
         uint64_t need = 0, cnt = 0;
         for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
             blk_t *b = AT(h, off);
-            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now)) {
+            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now) && !INTERNAL(b)) {
                 need += 4 + b->klen;
                 cnt++;
             }
@@ -714,12 +814,55 @@ int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
         }
         for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
             blk_t *b = AT(h, off);
-            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now)) {
+            if (b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0 && !expired(b, now) && !INTERNAL(b)) {
                 memcpy(buf + pos, &b->klen, 4);
                 memcpy(buf + pos + 4, KEY(b), b->klen);
                 pos += 4 + b->klen;
                 n++;
             }
+        }
+    }
+    *cursor = i < h->nbuckets ? i : 0;
+    unlock(h);
+    return n;
+}
+
+int64_t yr_scan(void *base, uint64_t *cursor, yr_scanrec *recs, uint32_t maxrecs,
+                char *keybuf, uint64_t keybuflen) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    uint32_t n = 0;
+    uint64_t pos = 0, i = *cursor;
+    for (; i < h->nbuckets; i++) {
+        uint64_t cnt = 0, need = 0;
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            cnt++;
+            need += AT(h, off)->klen;
+        }
+        if (!cnt) continue;
+        if (n + cnt > maxrecs || pos + need > keybuflen) {
+            if (n == 0) { unlock(h); return -(int64_t)(need + 1000); }
+            break;
+        }
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (expired(b, now) || INTERNAL(b)) continue;
+            yr_scanrec *r = &recs[n++];
+            r->seq = b->seq;
+            r->nbytes = b->nbytes;
+            r->block_size = b->size;
+            r->priority = b->priority;
+            r->access_count = b->access_count;
+            r->last_access = b->last_access;
+            r->expire_at = b->expire_at;
+            r->tier = (uint32_t)b->aux[0];
+            r->pins = b->pins;
+            r->key_pos = (uint32_t)pos;
+            r->klen = b->klen;
+            r->gen = b->aux[1];
+            memcpy(keybuf + pos, KEY(b), b->klen);
+            pos += b->klen;
         }
     }
     *cursor = i < h->nbuckets ? i : 0;
@@ -816,12 +959,12 @@ static void recover_locked(hdr_t *h) {
             if (o->seq > b->seq) { b->state = ST_ORPHAN; continue; }
             *s = o->next;
             o->state = ST_ORPHAN;
-            h->objects--;
+            if (!INTERNAL(o)) h->objects--;
         }
         uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
         b->next = *bucket;
         *bucket = off;
-        h->objects++;
+        if (!INTERNAL(b)) h->objects++;
         if (b->seq > h->seq) h->seq = b->seq;
     }
     /* 3. Free lists and accounting, merging free runs. */
@@ -834,6 +977,7 @@ static void recover_locked(hdr_t *h) {
         if (b->state == ST_FREE && prev && AT(h, prev)->state == ST_FREE) {
             AT(h, prev)->size += b->size;
             off = prev + AT(h, prev)->size;
+            prev_size = AT(h, prev)->size;
             continue;
         }
         if (prev && AT(h, prev)->state == ST_FREE) fl_insert(h, prev);
@@ -885,7 +1029,7 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
         if (b->state == ST_LIVE) {
             uint64_t *s = find_slot(h, b->hash, KEY(b), b->klen);
             if (!s || *s != off) { snprintf(msg, msglen, "live block %llu not indexed", (unsigned long long)off); bad = 1; break; }
-            objects++;
+            if (!INTERNAL(b)) objects++;
         }
         if (b->state == ST_ORPHAN) {
             orphans++;
@@ -911,6 +1055,11 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
 
 uint32_t *yr_notify_word(void *base, uint32_t index) {
     return index < NNOTIFY ? &H(base)->notify[index] : NULL;
+}
+
+char *yr_config_area(void *base, uint32_t *len) {
+    *len = sizeof(H(base)->config);
+    return H(base)->config;
 }
 
 uint64_t *yr_user_word(void *base, uint32_t index) {

@@ -15,7 +15,33 @@ typedef struct {
     double   expire_at;     /* 0: never */
     uint64_t access_count;
     uint64_t seq;
+    uint32_t tier;          /* 1: payload here (DRAM); 0/2: a stub for HBM/SSD */
+    uint32_t owner;         /* HBM stubs: the process slot holding the tensor */
+    uint64_t gen;           /* SSD stubs: generation of the disk copy */
 } yr_objinfo;
+
+typedef struct {
+    uint32_t existed;       /* 1 if a live object was replaced */
+    uint32_t tier;
+    uint64_t gen;
+    uint64_t seq;
+    uint64_t nbytes;
+} yr_retired;
+
+typedef struct {
+    uint64_t seq;
+    uint64_t nbytes;
+    uint64_t block_size;
+    int64_t  priority;
+    uint64_t access_count;
+    double   last_access;
+    double   expire_at;
+    uint32_t tier;
+    uint32_t pins;
+    uint32_t key_pos;       /* offset of the key in the caller's key buffer */
+    uint32_t klen;
+    uint64_t gen;
+} yr_scanrec;
 
 typedef struct {
     uint64_t capacity;      /* heap bytes */
@@ -66,12 +92,28 @@ int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen,
                    const char *meta, uint32_t mlen, uint64_t nbytes,
                    int64_t priority, double expire_at, uint64_t *payload_off);
 int  yr_commit(void *base, uint32_t slot, uint64_t block_off);
+/* tiered variants: a reservation may be a stub (no payload here) for an
+ * object whose bytes live in another tier; a commit may be conditional on
+ * the sequence number of the object it replaces (0: the key must be absent,
+ * UINT64_MAX: unconditional) and reports what it replaced. */
+int64_t yr_reserve_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
+                      const char *meta, uint32_t mlen, uint64_t alloc_bytes, uint64_t nbytes,
+                      int64_t priority, double expire_at, uint32_t tier, uint32_t owner,
+                      uint64_t gen, uint64_t access_count, uint64_t *payload_off);
+int  yr_commit_ex(void *base, uint32_t slot, uint64_t block_off, uint64_t expected_seq,
+                  yr_retired *out);
+/* live objects for the placement policy: fills recs (keys packed into keybuf)
+ * from bucket *cursor on; returns the count, advances *cursor (0 at end). */
+int64_t yr_scan(void *base, uint64_t *cursor, yr_scanrec *recs, uint32_t maxrecs,
+                char *keybuf, uint64_t keybuflen);
 int  yr_abort(void *base, uint32_t slot, uint64_t block_off);
 /* one call for small values: reserve + copy + commit under one lock hold */
 int  yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen,
                   const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
                   int64_t priority, double expire_at);
 
+/* pin: bit 0 takes a pin; bit 1 marks a look that is not a read (no access
+ * count, no hit/miss) */
 int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int pin,
             yr_objinfo *out);
 /* batch lookup under one lock hold; keys packed back to back, lengths in klens */
@@ -80,6 +122,11 @@ int  yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
 int  yr_unpin(void *base, uint32_t pin);
 int  yr_pin_block(void *base, uint32_t slot, uint64_t block_off);
 int  yr_delete(void *base, const char *key, uint32_t klen);
+int  yr_delete_ex(void *base, const char *key, uint32_t klen, uint64_t expected_seq,
+                  yr_retired *out);
+int  yr_put_small_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
+                     const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
+                     int64_t priority, double expire_at, yr_retired *out);
 int  yr_contains(void *base, const char *key, uint32_t klen);
 int  yr_touch(void *base, const char *key, uint32_t klen, double expire_at,
               int64_t priority, int set_priority);
@@ -101,6 +148,7 @@ uint32_t *yr_notify_word(void *base, uint32_t index);
 int  yr_futex_wait(uint32_t *addr, uint32_t expected, double timeout);
 int  yr_futex_wake(uint32_t *addr);
 uint64_t *yr_user_word(void *base, uint32_t index);
+char *yr_config_area(void *base, uint32_t *len);   /* 4 KiB for the store's settings */
 
 /* mapping helpers: map a shm fd MAP_SHARED and pre-fault it */
 void *yr_map(int fd, uint64_t size, int populate);

@@ -129,7 +129,9 @@ class Arena:
                     "create it with TieredStore(name=...) first"
                 ) from None
         try:
-            self.size = os.fstat(shm.fd).st_size
+            st = os.fstat(shm.fd)
+            self.size = st.st_size
+            self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
             if self.created and prefault:
                 # tmpfs: a first-touch write costs ~10x a write to a resident page,
                 # so fault the whole arena in once, here, not on the put path.
@@ -213,6 +215,7 @@ class Arena:
         self._lock = threading.Lock()
         parent = self.pid
         inherited = self._views
+        self.is_owner = False   # ownership stays with the process that created the store
         self._register()
         self._views = {}
         self._remap = {}
@@ -233,6 +236,12 @@ class Arena:
                       lambda _p: self._release(pid, pin))
 
     def _release(self, pid: int, pin: int) -> None:
+        try:
+            self._release_pin(pid, pin)
+        except Exception:  # interpreter shutdown: the process's death frees the pin
+            pass
+
+    def _release_pin(self, pid: int, pin: int) -> None:
         if pid != self.pid:  # a view inherited across fork: release our re-pin
             pin = self._remap.pop((pid, pin), 0)
             if not pin:
@@ -304,7 +313,21 @@ class Arena:
             lib.yr_unmap(self.base, self.size)
 
     def unlink(self) -> bool:
-        """Remove the segment's name (mappings stay valid until unmapped)."""
+        """Remove the segment's name if it still names *this* segment.
+
+        (A store destroyed and created again under the same name is another
+        segment; an old handle must not unlink it.)  Mappings stay valid.
+        """
+        try:
+            fd = os.open(f"{SHM_DIR}{self.shm_name}", os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        if (st.st_dev, st.st_ino) != self._ident:
+            return False
         try:
             posix_ipc.unlink_shared_memory(self.shm_name)
             return True

@@ -1,0 +1,256 @@
+"""Moving objects between the DRAM arena and the SSD tier.
+
+An object spilled to SSD keeps a *stub* in the arena's index: a block with
+no payload that records the object's size, codec header, priority, TTL,
+access count and the generation of its disk copy.  So the arena stays the
+one index every process shares: ``in``, ``len``, ``keys`` and ``tier_of``
+never touch the disk, and reads from every process count towards promotion.
+
+Every move is a copy followed by a *conditional* commit in the arena: the
+stub (spill) or the full block (promotion) replaces the object only if the
+object's sequence number is still the one that was copied.  A concurrent
+overwrite or delete wins, and the copy made for the move is thrown away, so
+a move never resurrects an old value.  Disk copies are named
+``<generation>/<key>``; a crash between the disk write and the commit leaves
+an unreferenced generation that ``vacuum()`` removes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterator
+
+import numpy as np
+
+from ._arena import ffi, lib
+from .errors import StoreFullError
+from .policy import Candidate, Policy
+from .tiers import shm
+
+TIER_DRAM = 1
+TIER_SSD = 2
+ANY_SEQ = (1 << 64) - 1
+C_SPILLS, C_PROMOTIONS, C_EVICTIONS = 4, 5, 6
+
+
+def disk_key(gen: int, key: str) -> str:
+    return f"{gen:016x}/{key}"
+
+
+def split_disk_key(dk: str) -> tuple[int, str] | None:
+    head, sep, key = dk.partition("/")
+    if not sep or len(head) != 16:
+        return None
+    try:
+        return int(head, 16), key
+    except ValueError:
+        return None
+
+
+def new_gen() -> int:
+    return int.from_bytes(os.urandom(8), "little") >> 1 or 1
+
+
+def scan(a: shm.Arena, tier: int | None = None) -> Iterator[tuple[Any, str]]:
+    """(scan record, key) of every live object (of ``tier``), a bucket batch per lock hold."""
+    cursor = ffi.new("uint64_t *", 0)
+    nrec, kbuf = 4096, 1 << 20
+    recs = ffi.new("yr_scanrec[]", nrec)
+    keys = ffi.new("char[]", kbuf)
+    while True:
+        n = lib.yr_scan(a.base, cursor, recs, nrec, keys, kbuf)
+        if n < -1000:
+            kbuf = max(kbuf * 2, -(n + 1000))
+            nrec *= 2
+            recs = ffi.new("yr_scanrec[]", nrec)
+            keys = ffi.new("char[]", kbuf)
+            continue
+        shm.check(n, "scan")
+        raw = ffi.buffer(keys, kbuf)
+        for i in range(n):
+            r = recs[i]
+            if tier is None or r.tier == tier:
+                k = raw[r.key_pos:r.key_pos + r.klen]
+                if not k.startswith(b"\x00"):
+                    yield r, k.decode()
+        if cursor[0] == 0:
+            return
+
+
+class Mover:
+    """Spills, promotions and evictions for one store handle."""
+
+    def __init__(self, arena: shm.Arena, disk, policy: Policy, cache: bool):
+        self.a = arena
+        self.disk = disk          # DiskTier or None
+        self.policy = policy
+        self.cache = cache        # may drop cold objects when nothing else helps
+
+    # --------------------------------------------------------------- demote
+
+    def candidates(self) -> list[Candidate]:
+        return [Candidate(k, r.seq, r.nbytes, r.block_size, r.priority, r.access_count,
+                          r.last_access, r.pins) for r, k in scan(self.a, TIER_DRAM)]
+
+    def make_room(self, incoming: int) -> None:
+        """Demote cold objects if ``incoming`` bytes would pass the high watermark."""
+        if self.disk is None and not self.cache:
+            return
+        st = ffi.new("yr_stats *")
+        lib.yr_get_stats(self.a.base, st)
+        need = self.policy.bytes_to_free(st.used, st.capacity, incoming)
+        if need:
+            self.demote(need)
+
+    def demote(self, need: int) -> int:
+        """Move (or, in cache mode with no SSD room, drop) about ``need`` bytes out of DRAM."""
+        freed = 0
+        for c in self.policy.victims(self.candidates(), need):
+            got = 0
+            if self.disk is not None:
+                try:
+                    got = self.spill(c)
+                except StoreFullError:
+                    if not self.cache:
+                        break
+            if not got and self.cache:
+                got = self.evict(c)
+            freed += got
+        return freed
+
+    def spill(self, c: Candidate) -> int:
+        """Copy one DRAM object to SSD and replace it by a stub; bytes freed (0: lost a race)."""
+        a = self.a
+        kb = c.key.encode()
+        info = ffi.new("yr_objinfo *")
+        if lib.yr_get(a.base, a.slot, kb, len(kb), 3, info) != 0:
+            return 0
+        try:
+            if info.seq != c.seq or info.tier != TIER_DRAM:
+                return 0
+            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+            src = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off), info.nbytes),
+                                dtype=np.uint8)
+            gen = new_gen()
+            dk = disk_key(gen, c.key)
+            self.disk.put(dk, meta, src, priority=int(info.priority),
+                          expire_at=info.expire_at or None)
+            if not self._commit_stub(kb, meta, info, gen, TIER_SSD, expected=c.seq):
+                self.disk.delete(dk)
+                return 0
+        finally:
+            a.unpin(info.pin)
+        lib.yr_count(a.base, C_SPILLS, 1)
+        return c.block_size
+
+    def _commit_stub(self, kb: bytes, meta: bytes, info, gen: int, tier: int, expected: int) -> bool:
+        a = self.a
+        poff = ffi.new("uint64_t *")
+        off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, info.nbytes,
+                                info.priority, info.expire_at, tier, 0, gen, info.access_count, poff)
+        if off <= 0:
+            return False
+        retired = ffi.new("yr_retired *")
+        if lib.yr_commit_ex(a.base, a.slot, off, expected, retired) != 0:
+            lib.yr_abort(a.base, a.slot, off)
+            return False
+        return True
+
+    def evict(self, c: Candidate) -> int:
+        """Drop one object (cache mode only); bytes freed."""
+        retired = ffi.new("yr_retired *")
+        kb = c.key.encode()
+        if lib.yr_delete_ex(self.a.base, kb, len(kb), c.seq, retired) != 0:
+            return 0
+        self.forget(c.key, retired)
+        lib.yr_count(self.a.base, C_EVICTIONS, 1)
+        return c.block_size
+
+    def forget(self, key: str, retired) -> None:
+        """A replaced or deleted object was a stub: remove its disk copy."""
+        if retired.existed and retired.tier == TIER_SSD and self.disk is not None:
+            self.disk.delete(disk_key(retired.gen, key))
+
+    # ---------------------------------------------------------------- reads
+
+    def read(self, key: str, info, meta: bytes) -> tuple[bytes, bytearray] | None:
+        """Bytes of an SSD object (a private copy), or None if it moved meanwhile."""
+        try:
+            return self.disk.get(disk_key(info.gen, key))
+        except KeyError:
+            return None
+
+    def promote(self, key: str, info, meta: bytes) -> bool:
+        """Bring an SSD object into DRAM (one ``readinto`` into the arena block)."""
+        a = self.a
+        kb = key.encode()
+        self.make_room(info.nbytes + 256 + len(kb) + len(meta))
+        poff = ffi.new("uint64_t *")
+        off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), info.nbytes, info.nbytes,
+                                info.priority, info.expire_at, TIER_DRAM, 0, 0, info.access_count, poff)
+        if off <= 0:
+            return False
+        dk = disk_key(info.gen, key)
+        try:
+            dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + poff[0]), info.nbytes), dtype=np.uint8)
+            self.disk.read_into(dk, dst)
+        except KeyError:
+            lib.yr_abort(a.base, a.slot, off)
+            return False
+        except BaseException:
+            lib.yr_abort(a.base, a.slot, off)
+            raise
+        retired = ffi.new("yr_retired *")
+        if lib.yr_commit_ex(a.base, a.slot, off, info.seq, retired) != 0:
+            lib.yr_abort(a.base, a.slot, off)
+            return False
+        self.disk.delete(dk)
+        lib.yr_count(a.base, C_PROMOTIONS, 1)
+        return True
+
+    # ------------------------------------------------------------- restarts
+
+    def rebuild(self) -> int:
+        """Fresh arena over an old SSD directory: stub every surviving disk object.
+
+        Of several generations of one key (a crash mid-move) the newest wins.
+        """
+        best: dict[str, tuple[float, int, str]] = {}
+        stale: list[str] = []
+        for e in list(self.disk.entries()):
+            parsed = split_disk_key(e.key)
+            if parsed is None:
+                continue
+            gen, key = parsed
+            cur = best.get(key)
+            if cur is None or e.created > cur[0]:
+                if cur:
+                    stale.append(cur[2])
+                best[key] = (e.created, gen, e.key)
+            else:
+                stale.append(e.key)
+        for dk in stale:
+            self.disk.delete(dk)
+        n = 0
+        for key, (_, gen, dk) in best.items():
+            info = self.disk.info(dk)
+            if info is None:
+                continue
+            fake = ffi.new("yr_objinfo *")
+            fake.nbytes = info.nbytes
+            fake.priority = info.priority
+            fake.expire_at = info.expire_at or 0.0
+            if self._commit_stub(key.encode(), bytes(info.meta), fake, gen, TIER_SSD, expected=0):
+                n += 1
+        return n
+
+    def vacuum(self) -> int:
+        """Remove disk copies no stub refers to (only safe with no other writer)."""
+        live = {disk_key(r.gen, k) for r, k in scan(self.a, TIER_SSD)}
+        removed = 0
+        for e in list(self.disk.entries()):
+            if e.key not in live:
+                self.disk.delete(e.key)
+                removed += 1
+        return removed
+
