@@ -24,6 +24,8 @@ def parse_size(value: int | float | str | None, what: str = "size") -> int | Non
     if isinstance(value, bool):
         raise TypeError(f"{what} must be an int or a string such as '2GiB', not bool")
     if isinstance(value, (int, float)):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{what} must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise ValueError(f"{what} must not be negative, got {value!r}")
         return int(value)
@@ -36,7 +38,10 @@ def parse_size(value: int | float | str | None, what: str = "size") -> int | Non
             f"cannot parse {what} {value!r}: use bytes as an int or a number with a unit "
             "such as '512MiB', '2GiB' or '1.5GB'"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = float(m.group(1)) * _UNITS[unit]
+    if n != n or n == float("inf"):
+        raise ValueError(f"{what} must be a finite size, got {value!r}")
+    return int(n)
 
 
 def format_size(n: int) -> str:

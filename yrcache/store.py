@@ -187,16 +187,15 @@ class TieredStore(MutableMapping):
 
     def _adopt(self, arena: shm.Arena) -> shm.Arena:
         """Take over an existing segment whose owner is gone; refuse a live one."""
-        owners = [pid for pid, owner in arena.attached() if owner and pid != os.getpid()]
-        arena.release_handle()
+        owners = [pid for slot, pid, owner in arena.attached() if owner and slot != arena.slot]
         if owners:
+            arena.release_handle()
             raise FileExistsError(
                 f"store {self.name!r} already exists and is owned by pid {owners[0]}; "
                 f"use TieredStore.attach({self.name!r}) to share it, or pick another name"
             )
-        adopted = shm.Arena(self.name, owner=True)
-        lib.yr_user_word(adopted.base, shm.UW_FLAGS)[0] &= ~shm.FLAG_OWNER_CLOSED
-        return adopted
+        arena.take_ownership()
+        return arena
 
     @classmethod
     def attach(cls, name: str, *, pickle: bool = False) -> "TieredStore":
@@ -539,6 +538,8 @@ class TieredStore(MutableMapping):
         appear.
         """
         a = self._a
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         pb = prefix.encode() if prefix else b""
         return _iter_keys(a, pb)
 
@@ -700,7 +701,7 @@ def _check_ratios(ratios) -> tuple[float, float, float]:
 def _expire_at(ttl: float | None) -> float:
     if ttl is None:
         return 0.0
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0:
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
         raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
     return time.time() + ttl
 

@@ -447,6 +447,31 @@ uint32_t yr_proc_count(void *base) {
     return n;
 }
 
+int yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner) {
+    hdr_t *h = H(base);
+    if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
+    if (lock(h)) return YR_ELOCK;
+    PROCS(h)[slot].is_owner = is_owner;
+    unlock(h);
+    return YR_OK;
+}
+
+int yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_slot) {
+    hdr_t *h = H(base);
+    if (pin == 0 || pin >= h->npins || to_slot == 0 || to_slot >= h->nprocs) return YR_ESTATE;
+    if (lock(h)) return YR_ELOCK;
+    int r = YR_ESTATE;
+    pin_t *pr = &PINS(h)[pin];
+    if (pr->block_off && pr->slot == from_slot) {
+        pr->slot = to_slot;
+        if (PROCS(h)[from_slot].pins) PROCS(h)[from_slot].pins--;
+        PROCS(h)[to_slot].pins++;
+        r = YR_OK;
+    }
+    unlock(h);
+    return r;
+}
+
 int yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime) {
     hdr_t *h = H(base);
     if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;

@@ -85,6 +85,9 @@ int  yr_proc_detach(void *base, uint32_t slot);
 int  yr_proc_list(void *base, yr_procinfo *out, uint32_t max);
 int  yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime);
 uint32_t yr_proc_count(void *base);
+int  yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner);
+/* hand a pin record from one process slot to another (fork: parent -> child) */
+int  yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_slot);
 
 /* put: reserve a block, fill it without the lock, commit it (replacing any old
  * object of the same key atomically), or abort it. */

@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -327,9 +328,12 @@ def _filler(src: _Source):
         if u8.size == 0:
             return
         if src.kind == "torch":
-            torch = _torch()
-            dst = torch.from_numpy(u8).view(getattr(torch, src.dtype)).view(src.shape)
-            dst.copy_(src.value)            # cast and device->host in one copy
+            torch, t = _torch(), src.value
+            sd = getattr(torch, src.dtype)
+            if t.device.type == "cpu" and t.dtype == sd and t.is_contiguous():
+                np.copyto(u8, t.reshape(-1).view(torch.uint8).numpy())   # a plain memcpy
+            else:   # cast and/or device->host in one copy
+                torch.from_numpy(u8).view(sd).view(src.shape).copy_(t)
         else:
             np.copyto(u8.view(np.dtype(src.dtype)).reshape(src.shape), src.value, casting="unsafe")
     return fill
@@ -539,38 +543,38 @@ def _src_bytes(view: Any) -> np.ndarray:
 
 
 class _Stager:
-    """Host staging buckets for destinations that cannot be written in place
-    (device tensors, or a dtype other than the stored one)."""
+    """Host staging buckets for destinations that cannot be written in place (a device
+    tensor, or a dtype other than the stored one).  For device destinations the bucket is
+    pinned and copies run asynchronously; a bucket is reused only after a synchronize."""
 
-    def __init__(self, bucket: int):
-        self.bucket, self.buf, self.used, self.pending = bucket, None, 0, []
+    def __init__(self, bucket: int, pin: bool, buf=None):
+        self.bucket, self.pin, self.used, self.pending = bucket, pin, 0, set()
+        self.buf = buf if buf is not None and buf.numel() >= bucket else None
 
     def take(self, nbytes: int):
         torch = _torch()
-        need = -(-nbytes // 64) * 64
+        need = -(-nbytes // 64) * 64                  # keep every slice 64-byte aligned
         if need > self.bucket:
-            return torch.empty(nbytes, dtype=torch.uint8)
-        if self.buf is None or self.used + need > self.bucket:
+            return torch.empty(nbytes, dtype=torch.uint8)   # one-off; copies from it are synchronous
+        if self.used + need > self.bucket:
             self.flush()
-            if self.buf is None:
-                pin = torch.cuda.is_available()
-                self.buf = torch.empty(self.bucket, dtype=torch.uint8, pin_memory=pin)
+        if self.buf is None:
+            self.buf = torch.empty(self.bucket, dtype=torch.uint8, pin_memory=self.pin)
         out = self.buf[self.used:self.used + nbytes]
         self.used += need
         return out
 
     def copy(self, staged, dst) -> None:
-        if dst.device.type == "cpu":
+        if dst.device.type == "cuda" and self.pin and staged.is_pinned():
+            dst.copy_(staged, non_blocking=True)   # async H2D (+ cast on the device)
+            self.pending.add(dst.device)
+        else:
             dst.copy_(staged)
-        else:  # async from pinned memory; the bucket is reused only after flush()
-            dst.copy_(staged, non_blocking=True)
-            self.pending.append(dst.device)
 
     def flush(self) -> None:
-        torch = _torch()
-        for dev in set(self.pending):
-            torch.cuda.synchronize(dev)
-        self.pending, self.used = [], 0
+        for dev in self.pending:
+            _torch().cuda.synchronize(dev)
+        self.pending, self.used = set(), 0
 
 
 class WeightSubscriber:
@@ -587,6 +591,8 @@ class WeightSubscriber:
         self.board = VersionBoard(store, name)
         self.last_fetch_stats: dict = {}
         self._infos: OrderedDict = OrderedDict()   # version -> (marker, merged tensors)
+        self._pinned = None                         # reused pinned staging bucket (device into=)
+        self._lock = threading.Lock()
 
     def __reduce__(self):
         return (WeightSubscriber, (self.store, self.name))
@@ -607,8 +613,8 @@ class WeightSubscriber:
         even if it equals ``newer_than``, when the caller is at most ``k``
         versions behind the newest version the trainer has started to publish.
         Never returns a version older than ``newer_than``.  Raises
-        ``TimeoutError`` after ``timeout`` seconds.  Sleeps on a futex: wakes
-        within microseconds of the publish, no polling.
+        ``TimeoutError`` after ``timeout`` seconds.  Sleeps on a futex in the
+        arena: wakes well under a millisecond after the publish, no polling.
         """
         if newer_than is not None:
             newer_than = _check_version(newer_than)
@@ -625,29 +631,32 @@ class WeightSubscriber:
                 if newer_than is None or latest > newer_than:
                     return latest
                 if max_staleness is not None and latest == newer_than \
-                        and (self.board.head() or latest) - max_staleness <= newer_than:
+                        and self.board.head() - max_staleness <= newer_than:
                     return latest
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
                                    f"{timeout} s (latest complete: {latest})")
-            self.board.wait_change(seen, left)
+            # Sleep in slices of at most 1 s: a publisher that died between its marker and
+            # its wake-up cannot strand us (no busy polling either way).
+            self.board.wait_change(seen, 1.0 if left is None else min(left, 1.0))
 
     def _info(self, version: int) -> dict[str, _Tensor]:
         marker = self.board.completion(version)
         if marker is None:
             raise KeyError(self._gone(version))
-        hit = self._infos.get(version)
+        with self._lock:
+            hit = self._infos.get(version)
         if hit is not None and hit[0] == marker:
-            self._infos.move_to_end(version)
             return hit[1]
         manifests = self.board.rank_manifests(version, marker["world"])
         if any(m is None for m in manifests) or [m["nonce"] for m in manifests] != marker["nonces"]:
             raise KeyError(self._gone(version))
         info = merge_manifests(manifests, self.name, version)
-        self._infos[version] = (marker, info)
-        while len(self._infos) > 4:
-            self._infos.popitem(last=False)
+        with self._lock:
+            self._infos[version] = (marker, info)
+            while len(self._infos) > 4:
+                self._infos.popitem(last=False)
         return info
 
     def _gone(self, version: int) -> str:
@@ -683,7 +692,7 @@ class WeightSubscriber:
                     raise ValueError(f"Fused target {name!r}: sources {list(spec.sources)} are stored as "
                                      f"{[s.dtype for s in srcs]}; fused sources must share one dtype")
                 plan = _plan_fused(spec, tuple((s, info[s].shape) for s in spec.sources),
-                                          tuple((s, info[s].parts) for s in spec.sources), srcs[0].itemsize)
+                                   tuple((s, info[s].parts) for s in spec.sources), srcs[0].itemsize)
                 keys = tuple(k for s in srcs for k in s.keys)
                 targets.append(_Target(name, srcs[0].kind, srcs[0].dtype, srcs[0].itemsize, plan.shape, plan,
                                        keys))
@@ -727,7 +736,9 @@ class WeightSubscriber:
         needed = sum(math.prod(t.shape) * t.itemsize for t in targets)
         copied = 0
         out: dict[str, Any] = {}
-        stager = _Stager(BUCKET_BYTES)
+        pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
+        reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
+        stager = _Stager(min(BUCKET_BYTES, -(-needed // 64) * 64 + 64 * len(targets)), pin, reuse)
         from tqdm.auto import tqdm
         with tqdm(total=needed, unit="B", unit_scale=True, desc=f"{self.name} v{version}",
                   disable=not sys.stderr.isatty() or needed < PROGRESS_MIN_BYTES) as bar:
@@ -737,6 +748,8 @@ class WeightSubscriber:
                 copied += n
                 bar.update(n)
             stager.flush()
+        if pin:
+            self._pinned = stager.buf
         del views, bufs                                # drop the pins: reclaimable now
         self.last_fetch_stats = {
             "version": version, "bytes_copied": copied, "bytes_needed": needed,
@@ -775,6 +788,11 @@ class WeightSubscriber:
         same = dst.dtype == (_stored_torch_dtype(t) if is_t else _stored_numpy_dtype(t))
         if same and (not is_t or dst.device.type == "cpu"):   # straight into the destination
             _run_plan(t.plan, srcs, codec.as_bytes_view(dst))
+            return dst
+        if not is_t and t.kind == "numpy":               # numpy -> numpy cast: no torch needed
+            tmp = np.empty(t.shape, dtype=np.dtype(t.dtype))
+            _run_plan(t.plan, srcs, tmp.reshape(-1).view(np.uint8))
+            np.copyto(dst, tmp, casting="unsafe")
             return dst
         nbytes = math.prod(t.shape) * t.itemsize         # gather in the stored dtype, then cast/move
         torch, sdt = _torch(), _stored_torch_dtype(t)

@@ -14,6 +14,7 @@ they stay valid whatever the parent does.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import threading
@@ -173,15 +174,17 @@ class Arena:
     # -------------------------------------------------------------- slots
 
     def _register(self) -> None:
-        self.pid = os.getpid()
         self.starttime = proc_starttime()
         self.sweep()
-        self.slot = lib.yr_proc_attach(self.base, self.pid, self.starttime, int(self.is_owner))
-        if self.slot < 0:
+        slot = lib.yr_proc_attach(self.base, os.getpid(), self.starttime, int(self.is_owner))
+        if slot < 0:
             raise YrcacheError(
                 f"store {self.name!r} has no free process slot (1023 processes attached); "
                 "close stores in processes that no longer need them"
             )
+        self._slot = slot
+        self.pid = os.getpid()
+        _install_exit_hook()
 
     def sweep(self) -> int:
         """Reclaim the slots of dead processes (their pins and unfinished puts).
@@ -200,30 +203,64 @@ class Arena:
                     reclaimed += 1
         return reclaimed
 
-    def attached(self) -> list[tuple[int, bool]]:
-        """(pid, is_owner) of every live attached process slot."""
+    def attached(self) -> list[tuple[int, int, bool]]:
+        """(slot, pid, is_owner) of every live attached process slot."""
         n = 1024
         buf = ffi.new("yr_procinfo[]", n)
         cnt = lib.yr_proc_list(self.base, buf, n)
-        return [(buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0))
+        return [(i, buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0))
                 if buf[i].state and proc_alive(buf[i].pid, buf[i].starttime)]
 
-    def after_fork_in_child(self) -> None:
-        """Take a slot of our own and pin every view inherited from the parent."""
-        if not self.mapped or self.pid == os.getpid():
+    def take_ownership(self) -> None:
+        """Become the owner (of a store whose owner closed it or died)."""
+        lib.yr_user_word(self.base, UW_FLAGS)[0] &= ~FLAG_OWNER_CLOSED
+        self.is_owner = True
+        lib.yr_proc_set_owner(self.base, self.slot, 1)
+
+    @property
+    def slot(self) -> int:
+        """This process's slot; a forked child takes its own on first use."""
+        if self.pid != os.getpid():
+            with self._lock:
+                if self.pid != os.getpid():
+                    self._register()
+        return self._slot
+
+    def before_fork(self) -> None:
+        """Pin every live view once more, for the child to take over.
+
+        The child cannot pin them itself in time: between the fork and its
+        first step the parent may drop a view and the block be reused.
+        """
+        self._fork_pins = []
+        if not self.mapped or self.pid != os.getpid():
             return
+        with self._lock:
+            views = list(self._views.items())
+        for pin, block in views:
+            extra = lib.yr_pin_block(self.base, self._slot, block)
+            if extra > 0:
+                self._fork_pins.append((pin, extra, block))
+
+    def after_fork_in_parent(self) -> None:
+        self._fork_pins = []   # they belong to the child now
+
+    def after_fork_in_child(self) -> None:
+        """Own the pins the parent took for us; register a slot lazily otherwise."""
         self._lock = threading.Lock()
-        parent = self.pid
-        inherited = self._views
         self.is_owner = False   # ownership stays with the process that created the store
-        self._register()
+        parent, parent_slot = self.pid, self._slot
+        handed = getattr(self, "_fork_pins", [])
+        self._fork_pins = []
         self._views = {}
         self._remap = {}
-        for pin, block in inherited.items():
-            new = lib.yr_pin_block(self.base, self.slot, block)
-            if new > 0:
-                self._remap[(parent, pin)] = new
-                self._views[new] = block
+        if not self.mapped or parent == os.getpid() or not handed:
+            return
+        self._register()
+        for old, pin, block in handed:
+            if lib.yr_pin_transfer(self.base, pin, parent_slot, self._slot) == 0:
+                self._remap[(parent, old)] = pin
+                self._views[pin] = block
 
     # --------------------------------------------------------------- pins
 
@@ -231,7 +268,7 @@ class Arena:
         """A ``char *`` at ``offset`` that unpins ``pin`` when garbage collected."""
         with self._lock:
             self._views[pin] = block
-        pid = self.pid
+        pid = os.getpid()
         return ffi.gc(ffi.cast("char *", self.addr + offset),
                       lambda _p: self._release(pid, pin))
 
@@ -242,7 +279,7 @@ class Arena:
             pass
 
     def _release_pin(self, pid: int, pin: int) -> None:
-        if pid != self.pid:  # a view inherited across fork: release our re-pin
+        if pid != os.getpid():  # a view inherited across fork: release our own pin
             pin = self._remap.pop((pid, pin), 0)
             if not pin:
                 return
@@ -299,7 +336,7 @@ class Arena:
             if self.pid != os.getpid():   # inherited, never registered here
                 self._unmap()
                 return
-            lib.yr_proc_detach(self.base, self.slot)
+            lib.yr_proc_detach(self.base, self._slot)
             owner_closed = lib.yr_user_word(self.base, UW_FLAGS)[0] & FLAG_OWNER_CLOSED
             if owner_closed:
                 self.sweep()
@@ -354,7 +391,22 @@ def destroy(name: str) -> bool:
         return False
 
 
+def _before_fork() -> None:
+    for arena in list(_arenas):
+        try:
+            arena.before_fork()
+        except Exception:
+            pass
+
+
+def _after_fork_in_parent() -> None:
+    for arena in list(_arenas):
+        arena.after_fork_in_parent()
+
+
 def _after_fork_in_child() -> None:
+    global _exit_hook_pid
+    _exit_hook_pid = 0
     for arena in list(_arenas):
         try:
             arena.after_fork_in_child()
@@ -362,4 +414,49 @@ def _after_fork_in_child() -> None:
             pass
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _detach_all() -> None:
+    """At exit: release this process's slots, so it does not count as attached."""
+    for arena in list(_arenas):
+        try:
+            if arena.mapped and arena.pid == os.getpid():
+                arena._handles = 0
+                arena._views.clear()
+                arena._maybe_unmap()
+        except Exception:
+            pass
+
+
+_exit_hook_pid = 0
+_FORK_TOKEN = type("_ForkToken", (), {})()
+
+
+def _reinstall_exit_hook(_token) -> None:
+    # multiprocessing clears its finalizers in a forked child after our
+    # at-fork hook ran: install ours again if this process holds a slot.
+    global _exit_hook_pid
+    _exit_hook_pid = 0
+    if any(a.mapped and a.pid == os.getpid() for a in list(_arenas)):
+        _install_exit_hook()
+
+
+def _install_exit_hook() -> None:
+    """atexit, and multiprocessing's finalizers (its children leave by os._exit)."""
+    global _exit_hook_pid
+    if _exit_hook_pid == os.getpid():
+        return
+    _exit_hook_pid = os.getpid()
+    atexit.register(_detach_all)
+    from multiprocessing import util
+
+    util.Finalize(None, _detach_all, exitpriority=-100)
+
+
+def _register_mp_hook() -> None:
+    from multiprocessing import util
+
+    util.register_after_fork(_FORK_TOKEN, _reinstall_exit_hook)
+
+
+_register_mp_hook()
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

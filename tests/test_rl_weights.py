@@ -1,0 +1,508 @@
+"""Tests for yrcache.rl.weights: versioned weight publish/subscribe with resharding."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from yrcache import TieredStore
+from yrcache.rl import Fused, Shard, WeightPublisher, WeightSubscriber
+from yrcache.rl import weights as W
+
+# --------------------------------------------------------------------------- helpers
+
+
+def split_local(full, dim, sizes, rank):
+    """Rank ``rank``'s slab of ``full`` cut along ``dim`` into ``sizes`` (uneven, may be 0)."""
+    if isinstance(full, np.ndarray):
+        return np.split(full, np.cumsum(sizes)[:-1], axis=dim)[rank]
+    return torch.split(full, list(sizes), dim=dim)[rank]
+
+
+def publish_all(pubs, fulls, pub_dims, sizes, version, dtype=None):
+    """Every rank of ``pubs`` publishes its part of ``fulls``; returns the last publish's result."""
+    done = None
+    for r, pub in enumerate(pubs):
+        state, layout = {}, {}
+        for name, full in fulls.items():
+            d = pub_dims.get(name)
+            if d is None:
+                state[name] = full
+            else:
+                state[name] = split_local(full, d, sizes[name], r)
+                layout[name] = Shard(d, r, len(pubs))
+        done = pub.publish(state, version=version, layout=layout, dtype=dtype)
+    return done
+
+
+def expect(full, shard):
+    """The reference slice: numpy.array_split / torch.tensor_split of the full tensor."""
+    if shard is None:
+        return full
+    if isinstance(full, np.ndarray):
+        return np.array_split(full, shard.count, axis=shard.dim)[shard.index]
+    return torch.tensor_split(full, shard.count, dim=shard.dim)[shard.index]
+
+
+def same(a, b):
+    if isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    return isinstance(a, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def uneven(m, base):
+    """Uneven per-rank sizes summing to something not divisible by common N; one empty for m == 3."""
+    return {1: [base + 3], 2: [base, base + 3], 3: [base + 1, 0, base + 4]}[m]
+
+
+def rl_keys(store, name="policy"):
+    return sorted(store.keys(prefix=f"__rl__/{name}/"))
+
+
+# --------------------------------------------------------------------------- resharding
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("m", [1, 2, 3])
+def test_reshard_matches_slicing(make_store, m, n):
+    """M publishers x N subscribers: every fetched slice equals slicing the full tensor."""
+    store = make_store(dram="32MiB")
+    g = torch.Generator().manual_seed(m * 10 + n)
+    s0, s1, s2 = uneven(m, 2), uneven(m, 3), uneven(m, 1)
+    fulls = {
+        "w0": torch.randn(sum(s0), 6, 5, generator=g),        # published dim 0, fetched dim 1
+        "w1": torch.randn(5, sum(s1), generator=g),           # published dim 1, fetched dim 0
+        "w2": torch.randn(3, 2, sum(s2), generator=g),        # published dim -1, fetched dim -1
+        "emb": torch.randn(sum(s0), 4, generator=g),          # same dim on both sides
+        "npw": np.random.default_rng(m).standard_normal((7, sum(s1))).astype(np.float32),
+        "norm": torch.randn(9, generator=g),                  # replicated, fetched sharded
+        "scale": torch.tensor(1.5),                           # replicated 0-d, fetched whole
+        "steps": torch.arange(11, dtype=torch.int64),         # replicated, whole
+    }
+    pub_dims = {"w0": 0, "w1": 1, "w2": -1, "emb": 0, "npw": 1}
+    sizes = {"w0": s0, "w1": s1, "w2": s2, "emb": s0, "npw": s1}
+    pubs = [WeightPublisher(store, "policy", rank=r, world=m) for r in range(m)]
+    assert publish_all(pubs, fulls, pub_dims, sizes, version=7) is True
+    sub = WeightSubscriber(store, "policy")
+    assert sub.latest() == 7
+    for k in range(n):
+        layout = {"w0": Shard(1, k, n), "w1": Shard(0, k, n), "w2": Shard(-1, k, n),
+                  "emb": Shard(0, k, n), "npw": Shard(0, k, n), "norm": Shard(0, k, n)}
+        got = sub.fetch(7, layout=layout)
+        assert set(got) == set(fulls)
+        for name, full in fulls.items():
+            assert same(got[name], expect(full, layout.get(name))), (name, k)
+        st = sub.last_fetch_stats
+        assert st["bytes_copied"] == st["bytes_needed"]
+        if n > 1:
+            assert st["bytes_copied"] < st["bytes_version"]
+    whole = sub.fetch(7)
+    for name, full in fulls.items():
+        assert same(whole[name], full), name
+    # replicated tensors are stored once, by rank 0
+    parts = [k for k in rl_keys(store) if "/p/" in k]
+    assert len([k for k in parts if k.endswith("/norm")]) == 1
+    assert len(parts) == 5 * m + 3
+
+
+def test_cast_on_publish_and_fetch(make_store):
+    store = make_store()
+    full = torch.randn(9, 10)
+    npf = np.linspace(0, 1, 24, dtype=np.float32).reshape(4, 6)
+    fulls = {"w": full, "ids": torch.arange(6), "npf": npf, "npi": np.arange(5, dtype=np.int32)}
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
+    publish_all(pubs, fulls, {"w": 0}, {"w": [4, 5]}, version=1, dtype=torch.bfloat16)
+    sub = WeightSubscriber(store, "policy")
+    for k in range(3):
+        got = sub.fetch(1, layout={"w": Shard(1, k, 3)})
+        assert same(got["w"], expect(full.to(torch.bfloat16), Shard(1, k, 3)))
+        assert same(got["ids"], torch.arange(6))                          # ints are never cast
+        assert same(got["npf"], torch.from_numpy(npf).to(torch.bfloat16))  # numpy + torch dtype -> tensor
+        assert same(got["npi"], np.arange(5, dtype=np.int32))
+        up = sub.fetch(1, layout={"w": Shard(1, k, 3)}, dtype=torch.float32)
+        assert same(up["w"], expect(full.to(torch.bfloat16).float(), Shard(1, k, 3)))
+        assert up["ids"].dtype == torch.int64
+    # numpy arrays cast to numpy dtypes stay numpy
+    pub = WeightPublisher(store, "np")
+    pub.publish({"a": npf}, version=1, dtype=np.float16)
+    got = WeightSubscriber(store, "np").fetch(1)["a"]
+    assert same(got, npf.astype(np.float16))
+    with pytest.raises(TypeError, match="numpy has no"):
+        WeightSubscriber(store, "np").fetch(1, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("m,n", [(1, 4), (2, 2), (3, 4)])
+def test_fused_targets(make_store, m, n):
+    store = make_store()
+    g = torch.Generator().manual_seed(m + n)
+    fulls = {"q": torch.randn(16, 6, generator=g), "k": torch.randn(4, 6, generator=g),
+             "v": torch.randn(4, 6, generator=g), "gate": torch.randn(6, 10, generator=g),
+             "up": torch.randn(6, 10, generator=g), "o": torch.randn(6, 7, generator=g)}
+    sz = {2: [2, 2], 1: [4], 3: [1, 2, 1]}[m]
+    gu = {1: [10], 2: [3, 7], 3: [5, 0, 5]}[m]
+    sizes = {"q": [x * 4 for x in sz], "k": sz, "v": sz, "gate": gu, "up": gu}
+    pubs = [WeightPublisher(store, "policy", rank=r, world=m) for r in range(m)]
+    publish_all(pubs, fulls, {"q": 0, "k": 0, "v": 0, "gate": 1, "up": 1}, sizes, version=3)
+    sub = WeightSubscriber(store, "policy")
+    for k in range(n):
+        layout = {"qkv": Fused(["q", "k", "v"], dim=0, shard=Shard(0, k, n)),
+                  "gate_up": Fused(["gate", "up"], dim=1, shard=Shard(1, k, n)),
+                  "o_t": None}
+        with pytest.raises(KeyError, match="no tensor 'o_t'"):
+            sub.fetch(3, layout=layout)
+        del layout["o_t"]
+        got = sub.fetch(3, layout=layout)
+        assert set(got) == {"qkv", "gate_up", "o"}       # sources consumed; o whole
+        qkv = torch.cat([expect(fulls[x], Shard(0, k, n)) for x in "qkv"], dim=0)
+        gu = torch.cat([expect(fulls[x], Shard(1, k, n)) for x in ("gate", "up")], dim=1)
+        assert same(got["qkv"], qkv) and same(got["gate_up"], gu) and same(got["o"], fulls["o"])
+        assert sub.last_fetch_stats["bytes_copied"] == sub.last_fetch_stats["bytes_needed"]
+    whole = sub.fetch(3, layout={"kv": Fused(["k", "v"], dim=1)})
+    assert same(whole["kv"], torch.cat([fulls["k"], fulls["v"]], dim=1)) and "q" in whole
+
+
+def test_fetch_into(make_store):
+    store = make_store()
+    full = torch.randn(8, 12)
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
+    fulls = {"w": full, "b": np.arange(12, dtype=np.float64), "h": full.half()}
+    publish_all(pubs, fulls, {"w": 0, "h": 0}, {"w": [3, 5], "h": [3, 5]}, version=1)
+    sub = WeightSubscriber(store, "policy")
+    lay = {"w": Shard(1, 1, 3), "h": Shard(1, 2, 3)}
+    dst = {"w": torch.zeros(8, 4), "b": np.zeros(12), "h": torch.zeros(8, 4, dtype=torch.float32)}
+    out = sub.fetch(1, layout=lay, into=dst)
+    assert all(out[k] is dst[k] for k in dst)
+    assert torch.equal(dst["w"], full[:, 4:8])
+    assert np.array_equal(dst["b"], np.arange(12.0))
+    assert torch.equal(dst["h"], full.half()[:, 8:].float())             # cast into the into dtype
+    nb = np.zeros((8, 4), dtype=np.float32)                               # torch-stored into ndarray
+    sub.fetch(1, layout=lay, into={"w": nb})
+    assert np.array_equal(nb, full[:, 4:8].numpy())
+    with pytest.raises(ValueError, match="shape"):
+        sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 5)})
+    with pytest.raises(ValueError, match="does not return"):
+        sub.fetch(1, layout=lay, into={"nope": torch.zeros(1)})
+    with pytest.raises(ValueError, match="contiguous"):
+        sub.fetch(1, layout=lay, into={"w": torch.zeros(4, 8).t()})
+    with pytest.raises(ValueError, match="conflicts"):
+        sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
+
+
+def test_staging_buckets(make_store, monkeypatch):
+    """Casting destinations are gathered through reused host buckets (small here: many refills)."""
+    monkeypatch.setattr(W, "BUCKET_BYTES", 1024)
+    store = make_store()
+    fulls = {f"t{i}": torch.randn(6 + i, 40) for i in range(6)}            # 1-2 KiB slices
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
+    publish_all(pubs, fulls, dict.fromkeys(fulls, 0), {k: [3, 3 + i] for i, k in enumerate(fulls)},
+                version=1, dtype=torch.bfloat16)
+    lay = {k: Shard(1, 1, 2) for k in fulls}
+    into = {k: torch.zeros(6 + i, 20, dtype=torch.float64) for i, k in enumerate(fulls)}
+    WeightSubscriber(store, "policy").fetch(1, layout=lay, into=into)
+    for k, full in fulls.items():
+        assert torch.equal(into[k], full.to(torch.bfloat16)[:, 20:].double()), k
+
+
+def test_publish_validation_and_wait(make_store):
+    store = make_store()
+    sub = WeightSubscriber(store, "policy")
+    assert sub.latest() is None and sub.versions() == []
+    with pytest.raises(TimeoutError):
+        sub.wait(timeout=0.01)
+    p0, p1 = (WeightPublisher(store, "policy", rank=r, world=2) for r in range(2))
+    t = torch.ones(4, 2)
+    with pytest.raises(ValueError, match="index=0, count=2"):
+        p0.publish({"w": t}, version=1, layout={"w": Shard(0, 1, 2)})
+    with pytest.raises(ValueError, match="not in the state dict"):
+        p0.publish({"w": t}, version=1, layout={"x": Shard(0, 0, 2)})
+    with pytest.raises(TypeError):
+        p0.publish({"w": [1, 2]}, version=1)
+    assert p0.publish({"w": t, "r": t}, version=1, layout={"w": Shard(0, 0, 2)}) is False
+    assert sub.latest() is None                                  # rank 1 has not published yet
+    with pytest.raises(KeyError, match="not complete"):
+        sub.fetch(1)
+    assert p1.publish({"w": t, "r": t}, version=1, layout={"w": Shard(0, 1, 2)}) is True
+    assert sub.wait(timeout=1) == 1 and sub.wait(newer_than=0, timeout=1) == 1
+    assert same(sub.fetch(1)["w"], torch.ones(8, 2)) and same(sub.fetch(1)["r"], t)
+    with pytest.raises(ValueError, match="must increase"):
+        p0.publish({"w": t}, version=1, layout={"w": Shard(0, 0, 2)})
+    with pytest.raises(ValueError, match="not newer than the latest complete"):
+        WeightPublisher(store, "policy", rank=1, world=2).publish({"w": t}, version=1)
+    with pytest.raises(KeyError, match="no tensor 'x'"):
+        sub.fetch(1, layout={"x": Shard(0, 0, 2)})
+    # staleness: v2 in flight (rank 0 only); a caller at v1 is 1 behind the trainer
+    p0.publish({"w": t, "r": t}, version=2, layout={"w": Shard(0, 0, 2)})
+    with pytest.raises(TimeoutError):
+        sub.wait(newer_than=1, timeout=0.02)
+    with pytest.raises(TimeoutError):
+        sub.wait(newer_than=1, timeout=0.02, max_staleness=0)
+    assert sub.wait(newer_than=1, timeout=0.02, max_staleness=1) == 1
+    timer = threading.Timer(0.05, p1.publish, ({"w": t, "r": t}, 2), {"layout": {"w": Shard(0, 1, 2)}})
+    timer.start()
+    assert sub.wait(newer_than=1, timeout=5) == 2
+    timer.join()
+    # inconsistent ranks: a version never becomes visible, the completing rank is told
+    p0.publish({"w": t}, version=3, layout={"w": Shard(0, 0, 2)})
+    with pytest.raises(ValueError, match="missing on rank"):
+        p1.publish({"x": t}, version=3, layout={"x": Shard(0, 1, 2)})
+    p0.publish({"w": t}, version=4, layout={"w": Shard(0, 0, 2)})
+    with pytest.raises(ValueError, match="not on rank 0"):
+        p1.publish({"w": t, "z": t}, version=4, layout={"w": Shard(0, 1, 2)})
+    assert sub.latest() == 2
+
+
+def test_failed_publish_leaves_nothing(make_store):
+    store = make_store(dram="16MiB")
+    pub = WeightPublisher(store, "policy")
+    pub.publish({"a": torch.ones(10)}, version=1)
+    before = set(store.keys())
+    with pytest.raises(MemoryError):
+        pub.publish({"a": torch.ones(10), "huge": torch.ones(8 << 20)}, version=2)
+    assert not [k for k in set(store.keys()) - before if "/p/" in k or "/m/" in k]
+    assert WeightSubscriber(store, "policy").latest() == 1
+
+
+# --------------------------------------------------------------------------- reclamation
+
+
+def test_keep_reclaims_memory(make_store, monkeypatch):
+    store = make_store(dram="32MiB")
+    pub = WeightPublisher(store, "policy", keep=2)
+    sub = WeightSubscriber(store, "policy")
+    mib = torch.zeros(1 << 18)   # 1 MiB
+    used = []
+    for v in range(1, 9):
+        pub.publish({"w": mib + v, "b": torch.full((3,), float(v))}, version=v)
+        used.append(store.stats()["tiers"]["dram"]["used"])
+        assert sub.versions() == list(range(max(1, v - 1), v + 1))
+    assert max(used[2:]) <= used[1] + 4096
+    assert {k.split("/")[3] for k in rl_keys(store) if "/v/" in k} == {f"{7:020d}", f"{8:020d}"}
+    with pytest.raises(KeyError, match=r"version 5 of 'policy' was reclaimed \(keep=2\)"):
+        sub.fetch(5)
+    # a fetch in progress holds its snapshot: retiring its version mid-copy disturbs nothing,
+    # and the memory comes back once the fetch has returned
+    real, calls = W._run_plan, []
+
+    def publish_midway(*a, **kw):
+        if not calls:
+            for v in (9, 10):
+                pub.publish({"w": mib + v, "b": torch.full((3,), float(v))}, version=v)
+            calls.append(store.stats()["tiers"]["dram"]["used"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(W, "_run_plan", publish_midway)
+    got = sub.fetch(8)
+    assert torch.equal(got["w"], mib + 8) and torch.equal(got["b"], torch.full((3,), 8.0))
+    assert calls[0] > used[1] + (1 << 20)      # v8's parts were pinned past their retirement
+    del got
+    gc.collect()
+    assert store.stats()["tiers"]["dram"]["used"] <= used[1] + 4096
+    assert sub.versions() == [9, 10]
+
+
+# --------------------------------------------------------------------------- processes
+
+
+K_TORN, ROWS_TORN = 150, 64      # versions; rows per rank (each part 64 x 2048 int64 = 1 MiB)
+
+
+def _torn_publisher(store, rank, world, go):
+    pub = WeightPublisher(store, "policy", rank=rank, world=world, keep=2)
+    go.wait(60)
+    for v in range(1, K_TORN + 1):
+        part = np.full((ROWS_TORN, 2048), v * 1000 + rank, dtype=np.int64)
+        pub.publish({"w": part, "r": np.full(33, v, dtype=np.int32)}, version=v,
+                    layout={"w": Shard(0, rank, world)})
+    store.close()
+
+
+def _check_consistent(sub, v, k):
+    got = sub.fetch(v, layout={"w": Shard(1, k, 2)})
+    w, r = got["w"], got["r"]
+    assert np.all(w // 1000 == v) and np.all(r == v), (v, np.unique(w // 1000), np.unique(r))
+    assert np.array_equal(w[:, 0] % 1000, np.repeat([0, 1], ROWS_TORN))
+
+
+def _torn_reader(sub, k):
+    """Fetch the newest version over and over until the last one; return the versions verified."""
+    verified = set()
+    while K_TORN not in verified:
+        v = sub.latest()
+        if v is None:
+            continue
+        try:
+            _check_consistent(sub, v, k)
+            verified.add(v)
+        except KeyError:          # reclaimed between latest() and fetch(): allowed, retry
+            pass
+    return verified
+
+
+def _torn_subscriber(store, q, ready):
+    try:
+        ready.set()
+        q.put(("ok", len(_torn_reader(WeightSubscriber(store, "policy"), 1))))
+    except BaseException as e:  # noqa: BLE001 - report anything to the parent
+        q.put(("error", repr(e)))
+    store.close()
+
+
+def test_no_torn_reads(make_store):
+    """Publishers write versions 1..K in a tight loop while subscribers fetch: every fetched
+    state belongs to exactly one version."""
+    store = make_store(dram="96MiB")
+    ctx = multiprocessing.get_context("fork")
+    q, go, ready = ctx.Queue(), ctx.Event(), ctx.Event()
+    procs = [ctx.Process(target=_torn_publisher, args=(store, r, 2, go)) for r in range(2)]
+    procs.append(ctx.Process(target=_torn_subscriber, args=(store, q, ready)))
+    for p in procs:
+        p.start()
+    try:
+        assert ready.wait(30)
+        go.set()
+        sub = WeightSubscriber(store, "policy")
+        mine = _torn_reader(sub, 0)
+        status, theirs = q.get(timeout=60)
+        assert status == "ok", theirs
+        print("verified", len(mine), theirs)
+        assert len(mine) >= 5 and theirs >= 5, (len(mine), theirs)   # they really overlapped
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert all(p.exitcode == 0 for p in procs)
+    assert sub.versions() == [K_TORN - 1, K_TORN]
+
+
+def _rank1_dies_mid_publish(store, ready):
+    pub = WeightPublisher(store, "policy", rank=1, world=2)
+    real = store.put_with
+
+    def stall_after_first(*a, **kw):
+        real(*a, **kw)
+        ready.set()
+        time.sleep(120)
+
+    store.put_with = stall_after_first
+    state = {f"w{i}": torch.full((4, 8), 2.0) for i in range(4)}
+    pub.publish(state, version=2, layout={n: Shard(0, 1, 2) for n in state})
+
+
+def test_publisher_killed_mid_publish(make_store, mp_context):
+    store = make_store()
+    p0, p1 = (WeightPublisher(store, "policy", rank=r, world=2) for r in range(2))
+    names = [f"w{i}" for i in range(4)]
+    for r, p in enumerate((p0, p1)):
+        p.publish({n: torch.full((4, 8), 1.0) for n in names}, version=1,
+                  layout={n: Shard(0, r, 2) for n in names})
+    p0.publish({n: torch.full((4, 8), 2.0) for n in names}, version=2,
+               layout={n: Shard(0, 0, 2) for n in names})
+    ready = mp_context.Event()
+    child = mp_context.Process(target=_rank1_dies_mid_publish, args=(store, ready))
+    child.start()
+    try:
+        assert ready.wait(60), "rank 1 never started publishing"
+        assert any(f"/{2:020d}/p/1/" in k for k in rl_keys(store))   # it wrote a part...
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    assert child.exitcode == -signal.SIGKILL
+    sub = WeightSubscriber(store, "policy")
+    assert sub.latest() == 1                                          # ...but v2 never appears
+    with pytest.raises(TimeoutError):
+        sub.wait(newer_than=1, timeout=0.05)
+    with pytest.raises(KeyError):
+        sub.fetch(2)
+    got = sub.fetch(1, layout={"w0": Shard(1, 0, 2)})
+    assert same(got["w0"], torch.ones(8, 4)) and same(got["w3"], torch.ones(8, 8))
+    # a restarted rank 1 can finish v2; later versions reclaim the dead rank's leftovers
+    p1b = WeightPublisher(store, "policy", rank=1, world=2)
+    assert p1b.publish({n: torch.full((4, 8), 2.0) for n in names}, version=2,
+                       layout={n: Shard(0, 1, 2) for n in names})
+    assert same(sub.fetch(2)["w1"], torch.full((8, 8), 2.0))
+    for v in (3, 4):
+        for r, p in enumerate((p0, p1b)):
+            p.publish({n: torch.full((4, 8), float(v)) for n in names}, version=v,
+                      layout={n: Shard(0, r, 2) for n in names})
+    assert not [k for k in rl_keys(store) if f"/{2:020d}/" in k]
+    store.check()
+
+
+def _late_subscriber(store, q, go):
+    try:
+        sub = WeightSubscriber(store, "policy")
+        v = sub.latest()
+        got = sub.fetch(v, layout={"w": Shard(1, 1, 4)})
+        ok = torch.equal(got["w"], torch.full((10, 2), float(v), dtype=torch.bfloat16))
+        q.put(("late", v, ok))
+        go.wait(30)
+        v2 = sub.wait(newer_than=v, timeout=30)
+        got = sub.fetch(v2, layout={"w": Shard(1, 3, 4)})
+        q.put(("late2", v2, torch.equal(got["w"], torch.full((10, 1), float(v2), dtype=torch.bfloat16))))
+    except BaseException as e:  # noqa: BLE001
+        q.put(("error", repr(e), False))
+    store.close()
+
+
+def _holding_subscriber(store, q, go):
+    try:
+        sub = WeightSubscriber(store, "policy")
+        v = sub.wait(timeout=30)
+        held = sub.fetch(v, layout={"w": Shard(1, 0, 4)})
+        q.put(("held", v, True))
+        go.wait(30)
+        newest = sub.wait(newer_than=v, timeout=30)
+        try:
+            sub.fetch(v)
+            reclaimed = False
+        except KeyError as e:
+            reclaimed = "reclaimed" in str(e)
+        ok = torch.equal(held["w"], torch.full((10, 2), float(v), dtype=torch.bfloat16))
+        q.put(("held2", newest, ok and reclaimed))
+    except BaseException as e:  # noqa: BLE001
+        q.put(("error", repr(e), False))
+    store.close()
+
+
+def test_spawned_subscribers(make_store):
+    """Subscribers in spawned processes: one attaches late, one holds a version while newer arrive."""
+    store = make_store()
+    ctx = multiprocessing.get_context("spawn")
+    q, go = ctx.Queue(), ctx.Event()
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2, keep=2) for r in range(2)]
+
+    def publish(v):
+        for r, p in enumerate(pubs):
+            p.publish({"w": torch.full((5, 7), float(v))}, version=v, layout={"w": Shard(0, r, 2)},
+                      dtype=torch.bfloat16)
+
+    holder = ctx.Process(target=_holding_subscriber, args=(store, q, go))
+    holder.start()
+    try:
+        publish(1)
+        assert q.get(timeout=60) == ("held", 1, True)
+        for v in (2, 3, 4):
+            publish(v)
+        late = ctx.Process(target=_late_subscriber, args=(store, q, go))
+        late.start()
+        try:
+            assert q.get(timeout=60) == ("late", 4, True)
+            go.set()
+            assert q.get(timeout=60) == ("held2", 4, True)
+            publish(5)
+            assert q.get(timeout=60) == ("late2", 5, True)
+        finally:
+            late.join(30)
+    finally:
+        holder.join(30)
+    assert holder.exitcode == 0 and late.exitcode == 0

@@ -1,0 +1,71 @@
+"""The store conformance suite, run against the embedded DRAM store."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+
+import pytest
+
+pytest.register_assert_rewrite("store_suite")
+
+from store_suite import StoreSuite  # noqa: E402
+
+from yrcache import Tier, TieredStore  # noqa: E402
+
+# Every test ends with gc.collect() (conftest's store_name); with torch loaded
+# that walks ~10^6 long-lived objects, ~0.1-0.2 s a test.  Move what is alive
+# after the imports out of the collector's sight (it lives for the whole run).
+gc.freeze()
+
+
+def _drop_failed_test_locals() -> None:
+    """A failed test's traceback keeps its locals (and so its views, which keep
+    the arena mapped) alive; clear them so that a failure is not followed by a
+    misleading "left shared memory behind" error."""
+    tb = getattr(sys, "last_traceback", None)
+    while tb is not None:
+        frame = tb.tb_frame
+        try:
+            frame.clear()
+        except RuntimeError:  # still executing
+            pass
+        else:
+            frame.f_locals.clear()  # the snapshot pytest's report took
+        tb = tb.tb_next
+
+
+class TestEmbeddedStore(StoreSuite):
+    """One process, one shared-memory arena (the DRAM tier)."""
+
+    default_tier = Tier.DRAM
+    has_check = True
+    local_views = True
+
+    @pytest.fixture
+    def store_factory(self, store_name):
+        made: list[TieredStore] = []
+
+        def make(**kw):
+            kw.setdefault("dram", "16MiB")
+            # every store needs its own name: a second create of the same name
+            # in this process would share the first one's arena
+            name = store_name if not made else f"{store_name}-{len(made)}"
+            s = TieredStore(name=name, **kw)
+            made.append(s)
+            return s
+
+        yield make
+        _drop_failed_test_locals()
+        names = [s.name for s in made]
+        for s in made:
+            s.close()
+        del made
+        if len(names) > 1:
+            gc.collect()
+            # store_name checks the first name; check the others here
+            left = [n for n in names[1:] if os.path.exists(f"/dev/shm/yrcache.{n}")]
+            for n in left:
+                TieredStore.attach(n).destroy()
+            assert not left, f"stores left behind in /dev/shm: {left}"
