@@ -18,7 +18,7 @@ an unreferenced generation that ``vacuum()`` removes.
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -29,8 +29,15 @@ from .tiers import shm
 
 TIER_DRAM = 1
 TIER_SSD = 2
+TIER_HBM = 3
 ANY_SEQ = (1 << 64) - 1
 C_SPILLS, C_PROMOTIONS, C_EVICTIONS = 4, 5, 6
+HBM_DONE, HBM_REQ = 14, 15     # futex words: "a demotion happened", "please demote"
+WANTED = 1                     # an HBM stub's generation word when a reader waits
+
+
+def key_repr(kb: bytes) -> str:
+    return repr(kb[:60].decode(errors="replace"))
 
 
 def disk_key(gen: int, key: str) -> str:
@@ -51,6 +58,22 @@ def new_gen() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1 or 1
 
 
+class ScanRec(NamedTuple):
+    """What the arena's index says about one object (a copy)."""
+
+    seq: int
+    nbytes: int
+    block_size: int
+    priority: int
+    access_count: int
+    last_access: float
+    expire_at: float
+    tier: int
+    pins: int
+    gen: int
+    owner: int
+
+
 def scan(a: shm.Arena, tier: int | None = None) -> Iterator[tuple[Any, str]]:
     """(scan record, key) of every live object (of ``tier``), a bucket batch per lock hold."""
     cursor = ffi.new("uint64_t *", 0)
@@ -67,12 +90,16 @@ def scan(a: shm.Arena, tier: int | None = None) -> Iterator[tuple[Any, str]]:
             continue
         shm.check(n, "scan")
         raw = ffi.buffer(keys, kbuf)
+        batch = []
         for i in range(n):
             r = recs[i]
             if tier is None or r.tier == tier:
                 k = raw[r.key_pos:r.key_pos + r.klen]
                 if not k.startswith(b"\x00"):
-                    yield r, k.decode()
+                    batch.append((ScanRec(r.seq, r.nbytes, r.block_size, r.priority, r.access_count,
+                                          r.last_access, r.expire_at, r.tier, r.pins, r.gen, r.owner),
+                                  k.decode()))
+        yield from batch   # copied out: the buffers are reused for the next batch
         if cursor[0] == 0:
             return
 
@@ -80,11 +107,12 @@ def scan(a: shm.Arena, tier: int | None = None) -> Iterator[tuple[Any, str]]:
 class Mover:
     """Spills, promotions and evictions for one store handle."""
 
-    def __init__(self, arena: shm.Arena, disk, policy: Policy, cache: bool):
+    def __init__(self, arena: shm.Arena, disk, policy: Policy, cache: bool, hbm=None):
         self.a = arena
         self.disk = disk          # DiskTier or None
         self.policy = policy
         self.cache = cache        # may drop cold objects when nothing else helps
+        self.hbm = hbm            # DeviceTier of this process, or None
 
     # --------------------------------------------------------------- demote
 
@@ -167,9 +195,89 @@ class Mover:
         return c.block_size
 
     def forget(self, key: str, retired) -> None:
-        """A replaced or deleted object was a stub: remove its disk copy."""
-        if retired.existed and retired.tier == TIER_SSD and self.disk is not None:
+        """A replaced or deleted object was a stub: free its disk copy or device tensor."""
+        if not retired.existed:
+            return
+        if retired.tier == TIER_SSD and self.disk is not None:
             self.disk.delete(disk_key(retired.gen, key))
+        elif retired.tier == TIER_HBM:
+            if self.hbm is not None and retired.owner == self.a.slot:
+                self.hbm.drop(key, retired.seq)
+            else:
+                self.a.notify_wake(HBM_REQ)   # the owner drops tensors whose stub is gone
+
+    # ------------------------------------------------------------------ HBM
+
+    def reserve_dram(self, kb: bytes, meta: bytes, nbytes: int, priority: int, expire_at: float,
+                     access_count: int) -> tuple[int, int]:
+        """Reserve a DRAM block, demoting colder objects if needed; (block, payload offset)."""
+        a = self.a
+        poff = ffi.new("uint64_t *")
+        self.make_room(nbytes + len(kb) + len(meta) + 256)
+        for attempt in (0, 1):
+            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes, nbytes,
+                                    priority, expire_at, TIER_DRAM, 0, 0, access_count, poff)
+            if off > 0:
+                return off, poff[0]
+            if off not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+                shm.check(off, "reserve")
+            if attempt or off == lib.YR_ETOOBIG or not self.demote(nbytes + 4096):
+                break
+        raise StoreFullError(f"no DRAM room to move {key_repr(kb)} ({nbytes} bytes) out of HBM; "
+                             "raise dram= or configure ssd=")
+
+    def hbm_stubs(self) -> dict[str, Any]:
+        """Scan records of the HBM stubs this process owns."""
+        slot = self.a.slot
+        return {k: r for r, k in scan(self.a, TIER_HBM) if r.owner == slot}
+
+    def demote_hbm(self, need: int) -> int:
+        """Move about ``need`` bytes of cold tensors from HBM to DRAM."""
+        stubs = self.hbm_stubs()
+        cands = [Candidate(k, r.seq, r.nbytes, r.nbytes, r.priority, r.access_count, r.last_access, 0)
+                 for k, r in stubs.items()]
+        freed = 0
+        for c in self.policy.victims(cands, need):
+            freed += self.demote_hbm_one(c.key, stubs[c.key])
+        return freed
+
+    def demote_hbm_one(self, key: str, rec) -> int:
+        """Copy one device tensor into an arena block (D2H) and replace its stub."""
+        obj = self.hbm._objects.get(key)
+        if obj is None or obj.seq != rec.seq:
+            return 0
+        t = obj.tensor
+        nbytes = t.numel() * t.element_size()
+        kb = key.encode()
+        off, poff = self.reserve_dram(kb, obj.meta, nbytes, rec.priority, rec.expire_at, rec.access_count)
+        a = self.a
+        try:
+            if nbytes:
+                import torch
+
+                dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + poff), nbytes), dtype=np.uint8)
+                torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
+        except BaseException:
+            lib.yr_abort(a.base, a.slot, off)
+            raise
+        retired = ffi.new("yr_retired *")
+        if lib.yr_commit_ex(a.base, a.slot, off, rec.seq, retired) != 0:
+            lib.yr_abort(a.base, a.slot, off)
+            return 0
+        self.hbm.drop(key, rec.seq)
+        lib.yr_count(a.base, C_SPILLS, 1)
+        return nbytes
+
+    def serve_hbm(self) -> bool:
+        """Demote the tensors other processes asked for; drop those whose stub is gone."""
+        stubs = self.hbm_stubs()
+        for key, obj in self.hbm.items():
+            rec = stubs.get(key)
+            if rec is None or rec.seq != obj.seq:
+                self.hbm.drop(key, obj.seq)
+            elif rec.gen == WANTED:
+                self.demote_hbm_one(key, rec)
+        return True
 
     # ---------------------------------------------------------------- reads
 

@@ -12,6 +12,7 @@ import enum
 import os
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import Any
 
@@ -22,7 +23,7 @@ import json
 from . import codec
 from ._arena import ffi, lib
 from .errors import StoreClosedError, StoreFullError, YrcacheError
-from .mover import ANY_SEQ, TIER_DRAM, TIER_SSD, Mover, scan
+from .mover import ANY_SEQ, TIER_DRAM, TIER_HBM, TIER_SSD, Mover, scan
 from .policy import Policy
 from .sizes import format_size, parse_size
 from .tiers import shm
@@ -32,6 +33,7 @@ SMALL_VALUE = 64 * 1024        # at or below: copy under the arena lock in one C
 DEFAULT_DRAM = "1GiB"
 _MISSING = object()
 _RETRY = object()
+HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 
 
 class Tier(enum.IntEnum):
@@ -97,12 +99,9 @@ class TieredStore(MutableMapping):
                 "cluster mode is not available in this version of yrcache; "
                 "unset YRCACHE_ETCD and drop cluster= to use the embedded store"
             )
+        self._hbm = None
+        self._service = None
         hbm = hbm if hbm is not None else os.environ.get("YRCACHE_HBM")
-        if hbm is not None or device is not None:
-            raise NotImplementedError(
-                "hbm=/device=: the HBM tier is not available in this version of yrcache; "
-                "use the DRAM arena (dram=) and the SSD tier (ssd=)"
-            )
         if policy not in ("spill", "cache"):
             raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
         self._pickle = bool(pickle)
@@ -116,14 +115,12 @@ class TieredStore(MutableMapping):
         dram_b = parse_size(dram if dram is not None else os.environ.get("YRCACHE_DRAM"), "dram")
         ssd = ssd if ssd is not None else os.environ.get("YRCACHE_SSD")
         ssd_b = parse_size(ssd_size if ssd_size is not None else os.environ.get("YRCACHE_SSD_SIZE"), "ssd_size")
+        hbm_b = parse_size(hbm, "hbm")
         cap_b = parse_size(capacity, "capacity")
         if cap_b is not None:
             r = _check_ratios(ratios)
             if r[0]:
-                raise NotImplementedError(
-                    "ratios give HBM a share, but the HBM tier is not available in this version; "
-                    "use ratios=(0, dram_share, ssd_share)"
-                )
+                hbm_b = hbm_b or int(cap_b * r[0])
             dram_b = dram_b or int(cap_b * r[1])
             if r[2]:
                 ssd_b = ssd_b or int(cap_b * r[2])
@@ -142,6 +139,13 @@ class TieredStore(MutableMapping):
                   "ssd_size": ssd_b, "policy": policy, "high": high, "low": low,
                   "promote_after": int(promote_after)}
         Policy(high, low, int(promote_after))  # validates before anything is created
+        if device is not None and not hbm_b:
+            raise ValueError("device= places the HBM tier: give it a size with hbm= (or capacity= and ratios=)")
+        if hbm_b:
+            device = device or _default_device()
+            from .tiers.device import DeviceTier
+
+            self._hbm = DeviceTier(device, hbm_b)
         self.name = shm.check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         arena = shm.Arena(self.name, create=True, size=dram_b, prefault=prefault)
         adopted = not arena.created
@@ -154,6 +158,8 @@ class TieredStore(MutableMapping):
             else:
                 self._write_config(config)
             self._configure(config)
+            if self._hbm is not None:
+                self._start_hbm_service()
             if self._disk is not None and not adopted:
                 self._mover.rebuild()          # a fresh arena over an old SSD directory
             elif self._disk is not None and len(arena.attached()) == 1:
@@ -169,8 +175,31 @@ class TieredStore(MutableMapping):
             from .tiers.disk import DiskTier
 
             self._disk = DiskTier(config["ssd"], config.get("ssd_size"))
-        self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache")
+        self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache",
+                            getattr(self, "_hbm", None))
         self._config = config
+
+    def _drop_hbm_after_fork(self) -> None:
+        # Device memory and the service thread stay with the parent; a forked
+        # child reads HBM objects like any other process (by asking the owner).
+        if self._hbm is not None:
+            self._hbm = None
+            self._service = None
+            self._mover.hbm = None
+
+    def _start_hbm_service(self) -> None:
+        _hbm_stores[id(self)] = weakref.ref(self)
+        from .mover import HBM_DONE, HBM_REQ
+        from .tiers.device import DemotionService
+
+        hbm = self._hbm
+        if hbm.device.type == "cuda":
+            # Pinned host memory: D2H/H2D between the arena and the device run
+            # at full PCIe speed.  Registered once, for the arena's lifetime.
+            import torch
+
+            torch.cuda.cudart().cudaHostRegister(self._arena.addr, self._arena.size, 0)
+        self._service = DemotionService(self._mover.serve_hbm, self._arena, HBM_REQ, HBM_DONE)
 
     def _write_config(self, config: dict) -> None:
         n = ffi.new("uint32_t *")
@@ -240,11 +269,9 @@ class TieredStore(MutableMapping):
             raise TypeError(f"tier must be a yrcache.Tier, not {tier!r}")
         if tier == Tier.SSD and self._disk is None:
             raise ValueError("tier=Tier.SSD needs an SSD tier: create the store with ssd=<directory>")
-        if tier == Tier.HBM:
-            raise NotImplementedError(
-                "Tier.HBM: the HBM tier is not available in this version of yrcache; "
-                "use Tier.DRAM or Tier.SSD"
-            )
+        if tier == Tier.HBM and self._hbm is None:
+            raise ValueError("tier=Tier.HBM needs an HBM tier in this process: create the store "
+                             "with hbm=<size> (and device=)")
         return tier
 
     # ---------------------------------------------------------------- puts
@@ -262,8 +289,44 @@ class TieredStore(MutableMapping):
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
+        if self._hbm is not None and codec.is_tensor(value) and (
+                tier == Tier.HBM or (tier is None and value.device.type != "cpu" and self._hbm.holds(value))):
+            if self._put_hbm(a, kb, value, int(priority), expire_at):
+                return
+        elif tier == Tier.HBM:
+            raise TypeError(f"the HBM tier holds torch tensors, not {type(value).__name__}")
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
+
+    def _put_hbm(self, a: shm.Arena, kb: bytes, value: Any, priority: int, expire_at: float) -> bool:
+        """Keep a tensor on the device (a D2D copy, no host copy); False if HBM has no room."""
+        hbm = self._hbm
+        nbytes = value.numel() * value.element_size()
+        if nbytes > hbm.capacity:
+            return False
+        need = self._policy.bytes_to_free(hbm.used, hbm.capacity, nbytes)
+        if need:
+            self._mover.demote_hbm(need)
+        if not hbm.fits(nbytes):
+            return False
+        t = hbm.copy_in(value)
+        meta = codec.tensor_meta(t.dtype, t.shape)
+        key = kb.decode()
+        poff = ffi.new("uint64_t *")
+        retired = ffi.new("yr_retired *")
+        for attempt in (0, 1):
+            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, nbytes,
+                                    priority, expire_at, TIER_HBM, a.slot, 0, 0, poff)
+            if off > 0:
+                hbm.store(key, t, meta, -1, priority)    # before the stub: a reader may ask at once
+                shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
+                if not (retired.existed and retired.tier == TIER_HBM and retired.owner == a.slot):
+                    self._mover.forget(key, retired)
+                hbm.store(key, t, meta, retired.new_seq, priority)
+                return True
+            if attempt or not self._mover.demote(4096):
+                break
+        return False
 
     def _put_encoded(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
                      priority: int, expire_at: float, tier: Tier | None = None) -> None:
@@ -384,11 +447,70 @@ class TieredStore(MutableMapping):
         """Build the value for a pinned lookup result (consumes the pin)."""
         meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
         dec = codec.decoder(meta)
+        if info.tier == TIER_HBM:
+            a.unpin(info.pin)
+            return self._from_hbm(key, info)
         if info.tier != TIER_DRAM:
             a.unpin(info.pin)   # a stub: the bytes live in a lower tier
             return self._from_lower(key, info, meta)
+        if self._hbm is not None and meta[:1] == b"T" and \
+                self._policy.should_promote(info.access_count, info.nbytes, self._hbm_room()):
+            t = self._promote_hbm(a, key, info, meta)
+            if t is not None:
+                return t
         ptr = a.pinned_ptr(info.payload_off, info.pin, info.block_off)
         return dec(ffi.buffer(ptr, info.nbytes), info.nbytes)
+
+    def _hbm_room(self) -> int:
+        """The most a promoted tensor may take: what HBM holds under its high watermark."""
+        return int(self._policy.high * self._hbm.capacity)
+
+    def _promote_hbm(self, a: shm.Arena, key: str, info, meta: bytes) -> Any:
+        """A hot DRAM tensor moves up (one H2D copy); returns the device tensor, or None."""
+        try:
+            need = self._policy.bytes_to_free(self._hbm.used, self._hbm.capacity, info.nbytes)
+            if need:
+                self._mover.demote_hbm(need)
+            if not self._hbm.fits(info.nbytes):
+                return None
+            view = codec.decoder(meta)(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off),
+                                                  info.nbytes), info.nbytes)
+            t = self._hbm.copy_in(view)
+            del view
+            kb = key.encode()
+            poff = ffi.new("uint64_t *")
+            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, info.nbytes,
+                                    info.priority, info.expire_at, TIER_HBM, a.slot, 0,
+                                    info.access_count, poff)
+            if off <= 0:
+                return None
+            retired = ffi.new("yr_retired *")
+            self._hbm.store(key, t, meta, -1, int(info.priority))
+            if lib.yr_commit_ex(a.base, a.slot, off, info.seq, retired) != 0:
+                lib.yr_abort(a.base, a.slot, off)
+                self._hbm.drop(key, -1)
+                return None
+            self._hbm.store(key, t, meta, retired.new_seq, int(info.priority))
+            lib.yr_count(a.base, 5, 1)   # promotions
+            return t
+        finally:
+            a.unpin(info.pin)
+
+    def _from_hbm(self, key: str, info) -> Any:
+        """An HBM object: ours is returned as is; another process's is demoted on request."""
+        a = self._a
+        if self._hbm is not None and info.owner == a.slot:
+            t = self._hbm.get(key, info.seq)
+            return t if t is not None else _RETRY
+        kb = key.encode()
+        from .mover import HBM_DONE, HBM_REQ, WANTED
+
+        seen = a.notify_value(HBM_DONE)
+        lib.yr_set_gen(a.base, kb, len(kb), info.seq, WANTED)
+        a.notify_wake(HBM_REQ)
+        if not a.notify_wait(HBM_DONE, seen, 0.2):
+            a.sweep()   # the owner may be dead: its stubs go with it
+        return _RETRY
 
     def _from_lower(self, key: str, info, meta: bytes) -> Any:
         """Read an object that lives on SSD: promote it if it is hot, else a private copy."""
@@ -413,7 +535,8 @@ class TieredStore(MutableMapping):
         a = self._a
         kb = key_bytes(key)
         info = ffi.new("yr_objinfo *")
-        for _ in range(8):
+        deadline = time.monotonic() + HBM_READ_TIMEOUT
+        while time.monotonic() < deadline:
             rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
             if rc == lib.YR_ENOTFOUND:
                 return default
@@ -426,7 +549,8 @@ class TieredStore(MutableMapping):
             value = self._view(a, info, key)
             if value is not _RETRY:
                 return codec.private_copy(value) if copy else value
-        raise YrcacheError(f"{key!r} kept moving between tiers while being read; try again")
+        raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept moving "
+                           "between tiers, or the process holding it in HBM does not answer")
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key, _MISSING)
@@ -558,11 +682,18 @@ class TieredStore(MutableMapping):
         a = self._a
         a.sweep()
         st = self._raw_stats()
-        stubs = sum(1 for r, _ in scan(a) if r.tier != TIER_DRAM) if self._disk is not None else 0
+        lower = [r.tier for r, _ in scan(a) if r.tier != TIER_DRAM] \
+            if self._disk is not None or self._hbm is not None else []
+        stubs = len(lower)
         tiers = {"dram": {"capacity": st.capacity, "used": st.used, "objects": st.objects - stubs,
                           "free": st.free_bytes, "largest_free": st.largest_free}}
+        if self._hbm is not None:
+            tiers["hbm"] = {"capacity": self._hbm.capacity, "used": self._hbm.used,
+                            "objects": self._hbm.objects, "device": str(self._hbm.device)}
+            stubs -= self._hbm.objects
         if self._disk is not None:
-            tiers["ssd"] = {"capacity": self._disk.capacity, "used": self._disk.used, "objects": stubs,
+            tiers["ssd"] = {"capacity": self._disk.capacity, "used": self._disk.used,
+                            "objects": sum(1 for t in lower if t == TIER_SSD),
                             "path": self._disk.path}
         return {
             "name": self.name,
@@ -589,10 +720,31 @@ class TieredStore(MutableMapping):
         other process is attached; an attached process only detaches.  Views
         already returned stay valid."""
         if self._arena is not None and not self._closed:
+            if self._hbm is not None:
+                self._close_hbm()
             self._closed = True
             if self._disk is not None:
                 self._disk.close()
             self._arena.release_handle()
+
+    def _close_hbm(self) -> None:
+        """Device memory goes with this handle: hand HBM objects to DRAM if anyone stays."""
+        _hbm_stores.pop(id(self), None)
+        if self._service is not None:
+            self._service.stop()
+            self._service = None
+        try:
+            if len(self._arena.attached()) > 1:
+                stubs = self._mover.hbm_stubs()
+                for key, _obj in self._hbm.items():
+                    if key in stubs:
+                        self._mover.demote_hbm_one(key, stubs[key])
+        finally:
+            if self._hbm.device.type == "cuda":
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._arena.addr)
+            self._hbm.clear()
 
     def destroy(self) -> None:
         """Unlink the store now, whoever is attached (their mappings stay valid)."""
@@ -632,6 +784,20 @@ class TieredStore(MutableMapping):
         msg = ffi.new("char[256]")
         if lib.yr_check_invariants(self._a.base, msg, 256) != 0:
             raise YrcacheError(f"arena invariant violated: {ffi.string(msg).decode()}")
+
+
+_hbm_stores: dict[int, "weakref.ref[TieredStore]"] = {}   # stores are unhashable (Mapping)
+
+
+def _after_fork_in_child() -> None:
+    for ref in list(_hbm_stores.values()):
+        store = ref()
+        if store is not None:
+            store._drop_hbm_after_fork()
+    _hbm_stores.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _attach_by_name(name: str, pickle: bool) -> TieredStore:
@@ -678,6 +844,15 @@ def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
     if dst.nbytes != src.nbytes:
         raise ValueError(f"get_into({key!r}): out holds {dst.nbytes} bytes, the stored value {src.nbytes}")
     np.copyto(dst, src)
+
+
+def _default_device() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("hbm= needs a CUDA device and none is available; pass device='cpu' "
+                         "to run the HBM tier on host memory, or drop hbm=")
+    return "cuda:0"
 
 
 def _as_u8(value: Any) -> np.ndarray:

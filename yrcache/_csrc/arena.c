@@ -38,6 +38,9 @@
 #define NUSER       16
 #define SCAN_LIMIT  64
 
+#define TIER_DRAM 1
+#define TIER_HBM  3
+
 enum { ST_FREE = 0x0F, ST_RESERVED = 0x1E, ST_LIVE = 0x2D, ST_ORPHAN = 0x3C };
 enum { C_HITS, C_MISSES, C_PUTS, C_DELETES, C_SPILLS, C_PROMOTIONS, C_EVICTIONS,
        C_RECOVERIES, C_NCOUNTERS = 16 };
@@ -411,6 +414,15 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
         }
         off += AT(h, off)->size;
     }
+    /* Device memory dies with its process: drop the HBM stubs it owned. */
+    for (uint64_t i = 0; i < h->nbuckets; i++) {
+        uint64_t *s = &BUCKETS(h)[i];
+        while (*s) {
+            blk_t *b = AT(h, *s);
+            if ((uint32_t)b->aux[0] == TIER_HBM && (uint32_t)(b->aux[0] >> 32) == slot) retire_locked(h, s);
+            else s = &b->next;
+        }
+    }
     memset(&PROCS(h)[slot], 0, sizeof(proc_t));
 }
 
@@ -495,7 +507,6 @@ static uint64_t block_need(uint32_t klen, uint32_t mlen, uint64_t nbytes, uint32
     return need < MIN_BLOCK ? MIN_BLOCK : need;
 }
 
-#define TIER_DRAM 1
 
 static int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
                               const char *meta, uint32_t mlen, uint64_t alloc_bytes,
@@ -574,11 +585,13 @@ static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expecte
             out->gen = o->aux[1];
             out->seq = o->seq;
             out->nbytes = o->nbytes;
+            out->owner = (uint32_t)(o->aux[0] >> 32);
         }
         retire_locked(h, old);
     }
     uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
     b->seq = ++h->seq;
+    if (out) out->new_seq = b->seq;
     b->next = *bucket;
     b->state = ST_LIVE;
     *bucket = off;   /* the object becomes visible here, atomically */
@@ -727,6 +740,41 @@ int yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
     return err ? err : hits;
 }
 
+int yr_set_gen(void *base, const char *key, uint32_t klen, uint64_t seq, uint64_t gen) {
+    hdr_t *h = H(base);
+    uint64_t hash = hash_key(key, klen);
+    if (lock(h)) return YR_ELOCK;
+    uint64_t *s = find_slot(h, hash, key, klen);
+    int r = YR_ENOTFOUND;
+    if (s && AT(h, *s)->seq == seq) {
+        AT(h, *s)->aux[1] = gen;
+        r = YR_OK;
+    }
+    unlock(h);
+    return r;
+}
+
+int yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
+                  const char *metas, const uint32_t *mlens, const char **data,
+                  const uint64_t *nbytes, uint32_t n, int64_t priority, double expire_at,
+                  yr_retired *out) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    uint32_t i = 0;
+    for (; i < n; i++) {
+        int64_t off = reserve_locked(h, slot, keys, klens[i], metas, mlens[i], nbytes[i], nbytes[i],
+                                     priority, expire_at, TIER_DRAM, 0, 0);
+        if (off <= 0) break;
+        blk_t *b = AT(h, off);
+        if (nbytes[i]) memcpy((char *)b + b->payload_rel, data[i], nbytes[i]);
+        commit_locked(h, slot, (uint64_t)off, UINT64_MAX, &out[i]);
+        keys += klens[i];
+        metas += mlens[i];
+    }
+    unlock(h);
+    return (int)i;
+}
+
 int yr_unpin(void *base, uint32_t pin) {
     hdr_t *h = H(base);
     if (pin == 0 || pin >= h->npins) return YR_ESTATE;
@@ -779,6 +827,7 @@ int yr_delete_ex(void *base, const char *key, uint32_t klen, uint64_t expected_s
         out->gen = b->aux[1];
         out->seq = b->seq;
         out->nbytes = b->nbytes;
+        out->owner = (uint32_t)(b->aux[0] >> 32);
         retire_locked(h, s);
         if (r == YR_OK) h->counters[C_DELETES]++;
     }
@@ -886,6 +935,7 @@ int64_t yr_scan(void *base, uint64_t *cursor, yr_scanrec *recs, uint32_t maxrecs
             r->key_pos = (uint32_t)pos;
             r->klen = b->klen;
             r->gen = b->aux[1];
+            r->owner = (uint32_t)(b->aux[0] >> 32);
             memcpy(keybuf + pos, KEY(b), b->klen);
             pos += b->klen;
         }

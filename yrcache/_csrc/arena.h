@@ -26,6 +26,9 @@ typedef struct {
     uint64_t gen;
     uint64_t seq;
     uint64_t nbytes;
+    uint32_t owner;
+    uint32_t pad;
+    uint64_t new_seq;       /* sequence number of the object just committed */
 } yr_retired;
 
 typedef struct {
@@ -41,6 +44,8 @@ typedef struct {
     uint32_t key_pos;       /* offset of the key in the caller's key buffer */
     uint32_t klen;
     uint64_t gen;
+    uint32_t owner;
+    uint32_t pad;
 } yr_scanrec;
 
 typedef struct {
@@ -123,6 +128,14 @@ int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int pin,
 int  yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
              uint32_t n, int pin, yr_objinfo *out, int32_t *found);
 int  yr_unpin(void *base, uint32_t pin);
+/* set a stub's generation word if the object is still `seq` (HBM: "wanted") */
+int  yr_set_gen(void *base, const char *key, uint32_t klen, uint64_t seq, uint64_t gen);
+/* batch of small puts under one lock hold; data[i] points at value i.
+ * Returns how many were stored (stops at the first that does not fit). */
+int  yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
+                   const char *metas, const uint32_t *mlens, const char **data,
+                   const uint64_t *nbytes, uint32_t n, int64_t priority, double expire_at,
+                   yr_retired *out);
 int  yr_pin_block(void *base, uint32_t slot, uint64_t block_off);
 int  yr_delete(void *base, const char *key, uint32_t klen);
 int  yr_delete_ex(void *base, const char *key, uint32_t klen, uint64_t expected_seq,
