@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover
     torch = None
 
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+needs_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="no CUDA device")
 
 NUMPY_DTYPES = [
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -510,6 +511,22 @@ class StoreSuite:
         got = store["g"]
         assert not got.requires_grad
         assert torch.equal(got, t.detach())
+
+    @needs_cuda
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "bool"])
+    def test_cuda_tensor_roundtrip(self, store, dtype):
+        t = sample_tensor(dtype, (33, 17), seed=4).cuda()
+        store["t"] = t
+        got = store["t"]
+        # a CPU tensor over the stored bytes, or a device tensor if it lives in HBM
+        assert got.device.type in ("cpu", "cuda")
+        assert_tensor_same(got.cpu(), t.cpu())
+        out = torch.empty_like(t)
+        assert store.get_into("t", out) is out
+        assert out.device == t.device
+        assert_tensor_same(out.cpu(), t.cpu())
+        with pytest.raises(ValueError):
+            store.get_into("t", torch.empty(17, 33, dtype=t.dtype, device=t.device))
 
     # ------------------------------------------------- view lifetime
 

@@ -13,7 +13,6 @@ import textwrap
 import numpy as np
 import pytest
 
-from yrcache import TieredStore
 from yrcache.sizes import format_size
 
 gc.freeze()  # conftest collects after every test; keep long-lived objects out of it

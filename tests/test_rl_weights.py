@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from yrcache import TieredStore
 from yrcache.rl import Fused, Shard, WeightPublisher, WeightSubscriber
 from yrcache.rl import weights as W
 
@@ -372,7 +371,6 @@ def test_no_torn_reads(make_store):
         mine = _torn_reader(sub, 0)
         status, theirs = q.get(timeout=60)
         assert status == "ok", theirs
-        print("verified", len(mine), theirs)
         assert len(mine) >= 5 and theirs >= 5, (len(mine), theirs)   # they really overlapped
     finally:
         for p in procs:

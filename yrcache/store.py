@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import os
+import shutil
 import time
 import uuid
 import weakref
@@ -132,6 +133,10 @@ class TieredStore(MutableMapping):
             dram_b = parse_size(DEFAULT_DRAM)
         if dram_b < lib.yr_arena_min_size():
             raise ValueError(f"dram must be at least {format_size(lib.yr_arena_min_size())}, got {dram_b} bytes")
+        free = shutil.disk_usage(shm.SHM_DIR).free if os.path.isdir(shm.SHM_DIR) else None
+        if free is not None and dram_b > free:
+            raise ValueError(f"dram={format_size(dram_b)} is more than the {format_size(free)} free in "
+                             f"{shm.SHM_DIR}; choose a smaller dram= (or add an SSD tier with ssd=)")
         if ssd_b is not None and ssd is None:
             raise ValueError("ssd_size= needs ssd= (the directory for the SSD tier)")
         high, low = (float(w) for w in watermarks)
@@ -179,6 +184,23 @@ class TieredStore(MutableMapping):
                             getattr(self, "_hbm", None))
         self._config = config
 
+    def _ensure_cuda_pinned(self) -> None:
+        """Register the arena as pinned host memory (once per process and mapping).
+
+        Copies between the arena and a GPU then run at full PCIe speed, with
+        no bounce through a pageable buffer.  Done lazily, at the first
+        device copy, so CPU-only users never initialise CUDA.
+        """
+        a = self._a
+        if getattr(a, "cuda_pinned", False):
+            return
+        import torch
+
+        if not torch.cuda.is_available():
+            return
+        err = torch.cuda.cudart().cudaHostRegister(a.addr, a.size, 0)
+        a.cuda_pinned = int(err) == 0 if err is not None else True
+
     def _drop_hbm_after_fork(self) -> None:
         # Device memory and the service thread stay with the parent; a forked
         # child reads HBM objects like any other process (by asking the owner).
@@ -192,13 +214,8 @@ class TieredStore(MutableMapping):
         from .mover import HBM_DONE, HBM_REQ
         from .tiers.device import DemotionService
 
-        hbm = self._hbm
-        if hbm.device.type == "cuda":
-            # Pinned host memory: D2H/H2D between the arena and the device run
-            # at full PCIe speed.  Registered once, for the arena's lifetime.
-            import torch
-
-            torch.cuda.cudart().cudaHostRegister(self._arena.addr, self._arena.size, 0)
+        if self._hbm.device.type == "cuda":
+            self._ensure_cuda_pinned()
         self._service = DemotionService(self._mover.serve_hbm, self._arena, HBM_REQ, HBM_DONE)
 
     def _write_config(self, config: dict) -> None:
@@ -295,6 +312,14 @@ class TieredStore(MutableMapping):
                 return
         elif tier == Tier.HBM:
             raise TypeError(f"the HBM tier holds torch tensors, not {type(value).__name__}")
+        if codec.is_tensor(value) and value.device.type == "cuda" and tier != Tier.SSD:
+            # Straight from the device into the (pinned) arena block: one copy.
+            self._ensure_cuda_pinned()
+            t = value.detach().contiguous()
+            nbytes = t.numel() * t.element_size()
+            self._put_encoded(a, kb, codec.tensor_meta(t.dtype, t.shape), _device_filler(t), nbytes,
+                              int(priority), expire_at, tier)
+            return
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
 
@@ -428,15 +453,47 @@ class TieredStore(MutableMapping):
     def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
              write_mode: WriteMode | str | None = None) -> None:
-        """Put several values; each one is atomic (the batch as a whole is not)."""
+        """Put several values; each one is atomic (the batch as a whole is not).
+
+        Small values are stored under one hold of the arena lock; larger ones
+        (and any that do not fit at once) one by one, as ``put`` does.
+        """
         a = self._a
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
-        pairs = items.items() if isinstance(items, dict) else items
-        encoded = [(key_bytes(k), *codec.encode(v, self._pickle)) for k, v in pairs]
-        for kb, meta, payload, nbytes in encoded:
-            self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
+        priority = int(priority)
+        pairs = list(items.items() if isinstance(items, dict) else items)
+        for k, _ in pairs:
+            key_bytes(k)            # validate every key before storing anything
+        rest = []
+        for k, v in pairs:
+            if self._hbm is not None and codec.is_tensor(v) and (
+                    tier == Tier.HBM or (tier is None and v.device.type != "cpu" and self._hbm.holds(v))):
+                self.put(k, v, tier=tier, priority=priority, ttl=ttl)
+            else:
+                rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
+        small = [e for e in rest if e[3] <= SMALL_VALUE] if tier != Tier.SSD else []
+        done = self._mput_small(a, small, priority, expire_at) if small else 0
+        stored = {id(e) for e in small[:done]}
+        for e in rest:
+            if id(e) not in stored:
+                self._put_encoded(a, e[0], e[1], e[2], e[3], priority, expire_at, tier)
+
+    def _mput_small(self, a: shm.Arena, batch: list, priority: int, expire_at: float) -> int:
+        """Store small values under one lock hold; returns how many fit."""
+        self._mover.make_room(sum(len(kb) + len(meta) + n + 256 for kb, meta, _, n in batch))
+        n = len(batch)
+        keep = [ffi.from_buffer(p) if nb else ffi.NULL for _, _, p, nb in batch]
+        retired = ffi.new("yr_retired[]", n)
+        done = lib.yr_mput_small(
+            a.base, a.slot, b"".join(e[0] for e in batch), [len(e[0]) for e in batch],
+            b"".join(e[1] for e in batch), [len(e[1]) for e in batch], keep,
+            [e[3] for e in batch], n, priority, expire_at, retired)
+        shm.check(done, "mset")
+        for i in range(done):
+            self._mover.forget(batch[i][0].decode(), retired[i])
+        return done
 
     def __setitem__(self, key: str, value: Any) -> None:
         self.put(key, value)
@@ -590,6 +647,8 @@ class TieredStore(MutableMapping):
         if rc == lib.YR_ENOTFOUND:
             raise KeyError(key)
         shm.check(rc, f"get_into of {key[:60]!r}")
+        if codec.is_tensor(out) and out.device.type == "cuda":
+            self._ensure_cuda_pinned()
         if info.tier != TIER_DRAM:      # on SSD: read it (or promote it), then copy
             a.unpin(info.pin)
             value = self.get(key, _MISSING)
@@ -740,10 +799,6 @@ class TieredStore(MutableMapping):
                     if key in stubs:
                         self._mover.demote_hbm_one(key, stubs[key])
         finally:
-            if self._hbm.device.type == "cuda":
-                import torch
-
-                torch.cuda.cudart().cudaHostUnregister(self._arena.addr)
             self._hbm.clear()
 
     def destroy(self) -> None:
@@ -836,14 +891,28 @@ def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
             raise ValueError(f"get_into({key!r}): out has shape {tuple(out.shape)}, stored {desc['shape']}")
         if out.device.type != "cpu":
             import torch
-            out.view(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
+            out.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
             return
     elif isinstance(out, np.ndarray) and "shape" in desc and out.shape != desc["shape"]:
         raise ValueError(f"get_into({key!r}): out has shape {out.shape}, stored {desc['shape']}")
+    stored = desc.get("dtype")
+    if desc["kind"] == "ndarray" and isinstance(out, np.ndarray) and out.dtype != np.dtype(stored) or \
+            desc["kind"] == "tensor" and codec.is_tensor(out) and str(out.dtype) != f"torch.{stored}":
+        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {stored}; "
+                         "pass an output of the stored dtype (get_into copies bytes, it does not cast)")
     dst = codec.as_bytes_view(out)
     if dst.nbytes != src.nbytes:
         raise ValueError(f"get_into({key!r}): out holds {dst.nbytes} bytes, the stored value {src.nbytes}")
     np.copyto(dst, src)
+
+
+def _device_filler(t: Any):
+    def fill(dst: np.ndarray) -> None:
+        if dst.size:
+            import torch
+
+            torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
+    return fill
 
 
 def _default_device() -> str:

@@ -400,6 +400,8 @@ class WeightPublisher:
             dim = None if spec is None else spec.resolve_dim(len(src.shape))
             sources.append((t, src, dim))
 
+        if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
+            self.store._ensure_cuda_pinned()   # the D2H copies below then run at pinned speed
         self.board.begin(version)
         nonce = uuid.uuid4().hex[:12]
         tensors, written, nbytes = {}, [], 0
