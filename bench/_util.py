@@ -354,7 +354,8 @@ class Child:
                 self.conn.send(("quit",))
             except (OSError, EOFError, BrokenPipeError):
                 pass
-            self.proc.join(10)
+            self.proc.join(3)   # a helper busy with a long request, or one that got half a
+                                # message when we were interrupted, is terminated instead
         if self.proc.is_alive():
             self.proc.terminate()
             self.proc.join(5)

@@ -310,16 +310,23 @@ def bench_create(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
 
         segs = Segments(cleanup, f"create{i}")
         nm = segs.new()
-        t0 = pc()
-        seg = shared_memory.SharedMemory(name=nm, create=True, size=size)
-        view = np.frombuffer(seg.buf, dtype=np.uint8)
-        view[::4096] = 0                      # fault every page in, as a pre-faulted arena would
-        t1 = pc()
-        del view
-        seg.close()
-        U.unlink_segment(nm)
-        t2 = pc()
-        segs.close()
+        seg = view = None
+        try:
+            t0 = pc()
+            seg = shared_memory.SharedMemory(name=nm, create=True, size=size)
+            view = np.frombuffer(seg.buf, dtype=np.uint8)
+            view[::4096] = 0                  # fault every page in, as a pre-faulted arena would
+            t1 = pc()
+            del view
+            view = None
+            seg.close()
+            U.unlink_segment(nm)
+            t2 = pc()
+        finally:
+            del view                          # release the export before the mapping closes
+            if seg is not None:
+                seg.close()
+            segs.close()
         out["shm"].append(t1 - t0)
         out["shm_close"].append(t2 - t1)
         log(f"  baseline SharedMemory 1 GiB + touch: {U.fmt_ns(t1 - t0)} (close+unlink {U.fmt_ns(t2 - t1)})")
