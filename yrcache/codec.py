@@ -43,6 +43,9 @@ def is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+_array_metas: dict = {}   # (dtype, shape) -> header: formatting it costs more than a put
+
+
 def _shape_str(shape) -> str:
     return ",".join(str(int(d)) for d in shape)
 
@@ -67,8 +70,13 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         arr = value if value.flags.c_contiguous else value.copy(order="C")  # ascontiguousarray makes 0-d 1-d
         if arr.dtype.byteorder == ">":  # store native, so views need no swap
             arr = arr.astype(arr.dtype.newbyteorder("="))
-        meta = f"N;{arr.dtype.str};{_shape_str(arr.shape)}".encode()
-        return meta, arr.reshape(-1).view(np.uint8), arr.nbytes
+        sig = (arr.dtype, arr.shape)
+        meta = _array_metas.get(sig)
+        if meta is None:
+            meta = f"N;{arr.dtype.str};{_shape_str(arr.shape)}".encode()
+            if len(_array_metas) < 4096:
+                _array_metas[sig] = meta
+        return meta, arr, arr.nbytes
     if is_tensor(value):
         t = value.detach()
         if t.device.type != "cpu":
@@ -119,11 +127,12 @@ def decoder(meta: bytes) -> Callable[[Any, int], Any]:
         shape = tuple(int(d) for d in shape_s.split(",")) if shape_s else ()
         if kind == b"N":
             dtype = np.dtype(dt)
+            flat = len(shape) == 1
 
             def build_array(buf, n):
                 # over a read-only buffer, so nobody can flip `writeable` back on
-                ro = memoryview(buf).toreadonly()
-                return np.frombuffer(ro, dtype=dtype, count=n // dtype.itemsize).reshape(shape)
+                arr = np.frombuffer(memoryview(buf).toreadonly(), dtype=dtype, count=n // dtype.itemsize)
+                return arr if flat else arr.reshape(shape)
             return build_array
         if kind == b"T":
             torch = _torch()

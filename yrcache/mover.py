@@ -18,6 +18,7 @@ an unreferenced generation that ``vacuum()`` removes.
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -113,6 +114,9 @@ class Mover:
         self.policy = policy
         self.cache = cache        # may drop cold objects when nothing else helps
         self.hbm = hbm            # DeviceTier of this process, or None
+        self._discarder: ThreadPoolExecutor | None = None
+        self._discarder_pid = 0
+        self._pending: list = []
 
     # --------------------------------------------------------------- demote
 
@@ -133,18 +137,31 @@ class Mover:
     def demote(self, need: int) -> int:
         """Move (or, in cache mode with no SSD room, drop) about ``need`` bytes out of DRAM."""
         freed = 0
-        for c in self.policy.victims(self.candidates(), need):
+        for got in self.demote_each(need):
+            freed += got
+        return freed
+
+    def demote_each(self, need: int | None = None) -> Iterator[int]:
+        """Demote victims coldest first, yielding the bytes freed after each.
+
+        A caller that only needs one block to fit stops as soon as it does,
+        so fragmentation costs an extra victim, not the whole tier.
+        """
+        if self.disk is None and not self.cache:
+            return
+        cands = self.candidates()
+        for c in self.policy.victims(cands, need if need is not None else sum(x.block_size for x in cands)):
             got = 0
             if self.disk is not None:
                 try:
                     got = self.spill(c)
                 except StoreFullError:
                     if not self.cache:
-                        break
+                        return
             if not got and self.cache:
                 got = self.evict(c)
-            freed += got
-        return freed
+            if got:
+                yield got
 
     def spill(self, c: Candidate) -> int:
         """Copy one DRAM object to SSD and replace it by a stub; bytes freed (0: lost a race)."""
@@ -214,15 +231,22 @@ class Mover:
         a = self.a
         poff = ffi.new("uint64_t *")
         self.make_room(nbytes + len(kb) + len(meta) + 256)
-        for attempt in (0, 1):
+
+        def attempt() -> int:
             off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes, nbytes,
                                     priority, expire_at, TIER_DRAM, 0, 0, access_count, poff)
-            if off > 0:
-                return off, poff[0]
-            if off not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+            if off <= 0 and off not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
                 shm.check(off, "reserve")
-            if attempt or off == lib.YR_ETOOBIG or not self.demote(nbytes + 4096):
-                break
+            return off
+
+        off = attempt()
+        if off == lib.YR_ENOSPC:
+            for _ in self.demote_each():
+                off = attempt()
+                if off != lib.YR_ENOSPC:
+                    break
+        if off > 0:
+            return off, poff[0]
         raise StoreFullError(f"no DRAM room to move {key_repr(kb)} ({nbytes} bytes) out of HBM; "
                              "raise dram= or configure ssd=")
 
@@ -281,26 +305,26 @@ class Mover:
 
     # ---------------------------------------------------------------- reads
 
-    def read(self, key: str, info, meta: bytes) -> tuple[bytes, bytearray] | None:
+    def read(self, key: str, info, meta: bytes) -> tuple[bytes, np.ndarray] | None:
         """Bytes of an SSD object (a private copy), or None if it moved meanwhile."""
+        buf = np.empty(info.nbytes, dtype=np.uint8)   # not zero-filled: readinto overwrites it
         try:
-            return self.disk.get(disk_key(info.gen, key))
-        except KeyError:
+            return self.disk.read_into(disk_key(info.gen, key), buf), buf
+        except (KeyError, ValueError):   # gone, or replaced by another size: look again
             return None
 
     def promote(self, key: str, info, meta: bytes) -> bool:
         """Bring an SSD object into DRAM (one ``readinto`` into the arena block)."""
         a = self.a
         kb = key.encode()
-        self.make_room(info.nbytes + 256 + len(kb) + len(meta))
-        poff = ffi.new("uint64_t *")
-        off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), info.nbytes, info.nbytes,
-                                info.priority, info.expire_at, TIER_DRAM, 0, 0, info.access_count, poff)
-        if off <= 0:
+        try:
+            off, poff = self.reserve_dram(kb, meta, info.nbytes, info.priority, info.expire_at,
+                                          info.access_count)
+        except StoreFullError:
             return False
         dk = disk_key(info.gen, key)
         try:
-            dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + poff[0]), info.nbytes), dtype=np.uint8)
+            dst = np.frombuffer(ffi.buffer(a.cbase + poff, info.nbytes), dtype=np.uint8)
             self.disk.read_into(dk, dst)
         except KeyError:
             lib.yr_abort(a.base, a.slot, off)
@@ -312,9 +336,31 @@ class Mover:
         if lib.yr_commit_ex(a.base, a.slot, off, info.seq, retired) != 0:
             lib.yr_abort(a.base, a.slot, off)
             return False
-        self.disk.delete(dk)
+        self.discard_later(dk)
         lib.yr_count(a.base, C_PROMOTIONS, 1)
         return True
+
+    def discard_later(self, dk: str) -> None:
+        """Remove a disk copy off the read path (freeing a file's page cache costs
+        milliseconds); ``flush()`` waits for it.  A crash before it runs leaves
+        an unreferenced generation that ``vacuum`` removes."""
+        if self._discarder is None or self._discarder_pid != os.getpid():
+            self._discarder = ThreadPoolExecutor(1, thread_name_prefix="yrcache-discard")
+            self._discarder_pid = os.getpid()
+        self._pending.append(self._discarder.submit(self.disk.delete, dk))
+        self._pending = [f for f in self._pending if not f.done()]
+
+    def flush(self) -> None:
+        """Wait for background disk work of this handle."""
+        for f in self._pending:
+            f.result()
+        self._pending = []
+
+    def close(self) -> None:
+        if self._discarder is not None and self._discarder_pid == os.getpid():
+            self._discarder.shutdown(wait=True)
+        self._discarder = None
+        self._pending = []
 
     # ------------------------------------------------------------- restarts
 

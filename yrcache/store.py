@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+import threading
 import time
 import uuid
 import weakref
@@ -34,6 +35,7 @@ SMALL_VALUE = 64 * 1024        # at or below: copy under the arena lock in one C
 DEFAULT_DRAM = "1GiB"
 _MISSING = object()
 _RETRY = object()
+_PLAIN_TYPES = (np.ndarray, bytes, bytearray)
 HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 
 
@@ -142,7 +144,7 @@ class TieredStore(MutableMapping):
         high, low = (float(w) for w in watermarks)
         config = {"ssd": os.path.abspath(os.fspath(ssd)) if ssd is not None else None,
                   "ssd_size": ssd_b, "policy": policy, "high": high, "low": low,
-                  "promote_after": int(promote_after)}
+                  "promote_after": int(promote_after), "hbm": hbm_b or 0}
         Policy(high, low, int(promote_after))  # validates before anything is created
         if device is not None and not hbm_b:
             raise ValueError("device= places the HBM tier: give it a size with hbm= (or capacity= and ratios=)")
@@ -279,6 +281,11 @@ class TieredStore(MutableMapping):
         lib.yr_get_stats(self._a.base, out)
         return out
 
+    @property
+    def _multi_tier(self) -> bool:
+        """Could any object live outside DRAM (here, or HBM in another process)?"""
+        return self._disk is not None or self._hbm is not None or bool(self._config.get("hbm"))
+
     def _check_tier(self, tier: Tier | None) -> Tier | None:
         if tier is None or tier == Tier.DRAM:
             return tier
@@ -303,6 +310,11 @@ class TieredStore(MutableMapping):
         """
         a = self._a
         kb = key_bytes(key)
+        if tier is None and ttl is None and write_mode is None and self._hbm is None \
+                and type(value) in _PLAIN_TYPES and type(priority) is int:
+            # The common case, kept short: a host value into DRAM.
+            meta, payload, nbytes = codec.encode(value, self._pickle)
+            return self._put_encoded(a, kb, meta, payload, nbytes, priority, 0.0)
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
@@ -363,33 +375,38 @@ class TieredStore(MutableMapping):
         if tier == Tier.SSD or (self._disk is not None and block > a.size // 2
                                 and block > self._raw_stats().largest_free):
             return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
-        self._mover.make_room(block)
-        retired = ffi.new("yr_retired *")
-        for attempt in range(3):
+        if self._disk is not None or self._hbm is not None or self._mover.cache:
+            self._mover.make_room(block)
+        retired, poff = _scratch()
+
+        def attempt() -> int:
             if nbytes <= SMALL_VALUE and not callable(payload):
                 src = ffi.from_buffer(payload) if nbytes else ffi.NULL
-                rc = lib.yr_put_small_ex(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
-                                         priority, expire_at, retired)
-            else:
-                poff = ffi.new("uint64_t *")
-                rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
-                                    priority, expire_at, poff)
-                if rc > 0:
-                    rc = self._fill_and_commit(a, rc, poff[0], payload, nbytes, retired)
-            if rc == 0:
+                return lib.yr_put_small_ex(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
+                                           priority, expire_at, retired)
+            rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
+                                priority, expire_at, poff)
+            return self._fill_and_commit(a, rc, poff[0], payload, nbytes, retired) if rc > 0 else rc
+
+        rc = attempt()
+        if rc == lib.YR_ENOSPC:
+            # No room: reclaim what dead processes and expired keys hold...
+            a.sweep()
+            lib.yr_expire(a.base, time.time())
+            rc = attempt()
+            # ...then demote (or, in cache mode, drop) cold objects one at a
+            # time, coldest first, until the object fits.
+            if rc == lib.YR_ENOSPC:
+                for _ in self._mover.demote_each():
+                    rc = attempt()
+                    if rc != lib.YR_ENOSPC:
+                        break
+        if rc == 0:
+            if retired.existed and (retired.tier != TIER_DRAM or retired.gen):
                 self._mover.forget(kb.decode(), retired)
-                return
-            if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
-                shm.check(rc, f"put of {kb[:60]!r}")
-            if rc == lib.YR_ETOOBIG:
-                break
-            # No room: reclaim what dead processes and expired keys hold, then
-            # demote (or, in cache mode, drop) cold objects.
-            if attempt == 0:
-                a.sweep()
-                lib.yr_expire(a.base, time.time())
-            elif not self._mover.demote(block):
-                break
+            return
+        if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+            shm.check(rc, f"put of {kb[:60]!r}")
         if self._disk is not None:
             return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
         raise self._full_error(nbytes)
@@ -402,6 +419,8 @@ class TieredStore(MutableMapping):
             buf = np.empty(nbytes, dtype=np.uint8)
             payload(buf)
             payload = buf
+        elif isinstance(payload, np.ndarray):
+            payload = payload.reshape(-1).view(np.uint8)   # any dtype as flat bytes
         from .mover import disk_key, new_gen
 
         gen = new_gen()
@@ -426,12 +445,10 @@ class TieredStore(MutableMapping):
     def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int,
                          retired) -> int:
         try:
-            dst = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + payload_off), nbytes), dtype=np.uint8)
             if callable(payload):
-                payload(dst)
-            else:
-                src = payload if isinstance(payload, np.ndarray) else np.frombuffer(payload, dtype=np.uint8)
-                np.copyto(dst, src)
+                payload(np.frombuffer(ffi.buffer(a.cbase + payload_off, nbytes), dtype=np.uint8))
+            else:   # outside the lock; memcpy releases the GIL
+                lib.yr_memcpy(a.cbase + payload_off, ffi.from_buffer(payload), nbytes)
         except BaseException:
             lib.yr_abort(a.base, a.slot, block)
             raise
@@ -502,7 +519,7 @@ class TieredStore(MutableMapping):
 
     def _view(self, a: shm.Arena, info, key: str | None = None) -> Any:
         """Build the value for a pinned lookup result (consumes the pin)."""
-        meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+        meta = ffi.buffer(a.cbase + info.meta_off, info.meta_len)[:]
         dec = codec.decoder(meta)
         if info.tier == TIER_HBM:
             a.unpin(info.pin)
@@ -510,7 +527,7 @@ class TieredStore(MutableMapping):
         if info.tier != TIER_DRAM:
             a.unpin(info.pin)   # a stub: the bytes live in a lower tier
             return self._from_lower(key, info, meta)
-        if self._hbm is not None and meta[:1] == b"T" and \
+        if self._hbm is not None and meta[0] == 84 and \
                 self._policy.should_promote(info.access_count, info.nbytes, self._hbm_room()):
             t = self._promote_hbm(a, key, info, meta)
             if t is not None:
@@ -547,6 +564,7 @@ class TieredStore(MutableMapping):
                 lib.yr_abort(a.base, a.slot, off)
                 self._hbm.drop(key, -1)
                 return None
+            self._mover.forget(key, retired)   # a clean SSD copy of the DRAM object
             self._hbm.store(key, t, meta, retired.new_seq, int(info.priority))
             lib.yr_count(a.base, 5, 1)   # promotions
             return t
@@ -592,8 +610,8 @@ class TieredStore(MutableMapping):
         a = self._a
         kb = key_bytes(key)
         info = ffi.new("yr_objinfo *")
-        deadline = time.monotonic() + HBM_READ_TIMEOUT
-        while time.monotonic() < deadline:
+        deadline = None
+        while True:
             rc = lib.yr_get(a.base, a.slot, kb, len(kb), 1, info)
             if rc == lib.YR_ENOTFOUND:
                 return default
@@ -606,6 +624,10 @@ class TieredStore(MutableMapping):
             value = self._view(a, info, key)
             if value is not _RETRY:
                 return codec.private_copy(value) if copy else value
+            if deadline is None:
+                deadline = time.monotonic() + HBM_READ_TIMEOUT
+            elif time.monotonic() > deadline:
+                break
         raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept moving "
                            "between tiers, or the process holding it in HBM does not answer")
 
@@ -740,20 +762,24 @@ class TieredStore(MutableMapping):
         """Capacity, use and counters of every tier (a fresh snapshot)."""
         a = self._a
         a.sweep()
-        st = self._raw_stats()
-        lower = [r.tier for r, _ in scan(a) if r.tier != TIER_DRAM] \
-            if self._disk is not None or self._hbm is not None else []
-        stubs = len(lower)
-        tiers = {"dram": {"capacity": st.capacity, "used": st.used, "objects": st.objects - stubs,
-                          "free": st.free_bytes, "largest_free": st.largest_free}}
-        if self._hbm is not None:
-            tiers["hbm"] = {"capacity": self._hbm.capacity, "used": self._hbm.used,
-                            "objects": self._hbm.objects, "device": str(self._hbm.device)}
-            stubs -= self._hbm.objects
+        lib.yr_expire(a.base, time.time())
         if self._disk is not None:
-            tiers["ssd"] = {"capacity": self._disk.capacity, "used": self._disk.used,
-                            "objects": sum(1 for t in lower if t == TIER_SSD),
-                            "path": self._disk.path}
+            self._mover.flush()
+            self._disk.purge_expired()
+        st = self._raw_stats()
+        # O(objects) when lower tiers exist: stubs are counted by a scan of the index.
+        lower = [(r.tier, r.nbytes) for r, _ in scan(a) if r.tier != TIER_DRAM] if self._multi_tier else []
+        in_hbm = [n for t, n in lower if t == TIER_HBM]
+        hbm, disk = self._hbm, self._disk
+        tiers: dict = {}
+        if self._config.get("hbm"):   # the HBM tier lives in the creating process
+            tiers["hbm"] = {"capacity": self._config["hbm"], "used": sum(in_hbm), "objects": len(in_hbm),
+                            "device": str(hbm.device) if hbm is not None else None}
+        tiers["dram"] = {"capacity": st.capacity, "used": st.used, "objects": st.objects - len(lower),
+                         "free": st.free_bytes, "largest_free": st.largest_free}
+        if disk is not None:
+            tiers["ssd"] = {"capacity": disk.capacity, "used": disk.used,
+                            "objects": sum(1 for t, _ in lower if t == TIER_SSD), "path": disk.path}
         return {
             "name": self.name,
             "tiers": tiers,
@@ -764,9 +790,10 @@ class TieredStore(MutableMapping):
         }
 
     def flush(self) -> None:
-        """Wait for background replication and spills (an embedded store moves
-        objects synchronously, so there is nothing to wait for)."""
+        """Wait until background work is done (replication in cluster mode).
+        Moves between tiers are synchronous in an embedded store."""
         self._a
+        self._mover.flush()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -782,6 +809,7 @@ class TieredStore(MutableMapping):
             if self._hbm is not None:
                 self._close_hbm()
             self._closed = True
+            self._mover.close()
             if self._disk is not None:
                 self._disk.close()
             self._arena.release_handle()
@@ -904,6 +932,18 @@ def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
     if dst.nbytes != src.nbytes:
         raise ValueError(f"get_into({key!r}): out holds {dst.nbytes} bytes, the stored value {src.nbytes}")
     np.copyto(dst, src)
+
+
+_tls = threading.local()
+
+
+def _scratch():
+    """Per-thread out-structs for the put path (ffi.new costs more than the C call)."""
+    try:
+        return _tls.put
+    except AttributeError:
+        _tls.put = (ffi.new("yr_retired *"), ffi.new("uint64_t *"))
+        return _tls.put
 
 
 def _device_filler(t: Any):

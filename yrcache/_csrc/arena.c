@@ -37,6 +37,7 @@
 #define NNOTIFY     16
 #define NUSER       16
 #define SCAN_LIMIT  64
+#define SMALL_BLOCK 4096
 
 #define TIER_DRAM 1
 #define TIER_HBM  3
@@ -184,7 +185,48 @@ static void set_next_prev_size(hdr_t *h, uint64_t off) {
 
 /* Find a free block of at least `need` bytes, take it off its list, split
  * off the tail if it is big enough to stand alone.  Returns 0 when none. */
+/* Small blocks (stubs of spilled objects, small values) are carved from the
+ * tail of the highest-addressed free block that fits (of a bounded number
+ * probed, largest classes first); large ones from the head of a fitting
+ * block.  Small and large objects so gather at opposite ends of free space,
+ * and the stub a spill leaves behind does not split the hole its object
+ * leaves, which the next object of that size needs whole. */
+static uint64_t alloc_small_from_tail(hdr_t *h, uint64_t need) {
+    uint64_t best = 0;
+    int probes = 0;
+    for (int c = NCLASSES - 1; c >= 0 && probes < SCAN_LIMIT; c--) {
+        if (!(h->free_bitmap & (1ULL << c))) continue;
+        for (uint64_t off = h->freehead[c]; off && probes < SCAN_LIMIT; off = AT(h, off)->next, probes++)
+            if (AT(h, off)->size >= need && off > best) best = off;
+    }
+    if (!best) return 0;
+    blk_t *f = AT(h, best);
+    if (f->size < need + MIN_BLOCK) {   /* too small to split: take it whole */
+        fl_remove(h, best);
+        h->used += f->size;
+        return best;
+    }
+    uint64_t keep = f->size - need, noff = best + keep;
+    blk_t *n = AT(h, noff);
+    /* The new block's header first: until f shrinks, a walk skips over it. */
+    memset(n, 0, BLK_HDR);
+    n->size = need;
+    n->prev_size = keep;
+    n->state = ST_FREE;     /* the caller marks it RESERVED once it is filled in */
+    uint64_t after = noff + need;
+    if (after < heap_end(h)) AT(h, after)->prev_size = need;
+    fl_remove(h, best);
+    __atomic_store_n(&f->size, keep, __ATOMIC_RELEASE);
+    fl_insert(h, best);
+    h->used += need;
+    return noff;
+}
+
 static uint64_t alloc_block(hdr_t *h, uint64_t need) {
+    if (need <= SMALL_BLOCK) {
+        uint64_t off = alloc_small_from_tail(h, need);
+        if (off) return off;
+    }
     int c = size_class(need);
     uint64_t found = 0;
     /* First fit in the exact class, a bounded number of probes... */
@@ -598,7 +640,8 @@ static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expecte
     h->reserved--;
     if (!INTERNAL(b)) {
         h->objects++;
-        h->counters[C_PUTS]++;
+        /* a conditional commit is a move between tiers, not a caller's put */
+        if (expected_seq == UINT64_MAX) h->counters[C_PUTS]++;
     }
     return YR_OK;
 }

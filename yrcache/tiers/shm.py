@@ -97,6 +97,7 @@ def check(rc: int, what: str) -> int:
 
 
 _arenas: "weakref.WeakSet[Arena]" = weakref.WeakSet()
+_pid = os.getpid()   # kept current by the at-fork hook: os.getpid() is a syscall
 
 
 class Arena:
@@ -146,11 +147,12 @@ class Arena:
                 posix_ipc.unlink_shared_memory(self.shm_name)
             raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
         self.addr = int(ffi.cast("uintptr_t", self.base))
+        self.cbase = ffi.cast("char *", self.base)
         self.mapped = True
         try:
             if self.created:
                 if npins is None:
-                    npins = max(16384, min(1 << 22, size // 4096))
+                    npins = max(1024, min(1 << 22, size // 4096))   # 16 B each
                 check(lib.yr_arena_init(self.base, self.size, nprocs, npins), "arena init")
                 lib.yr_user_word(self.base, UW_CREATED)[0] = os.getpid()
             elif lib.yr_arena_check(self.base, self.size) != 0:
@@ -220,7 +222,7 @@ class Arena:
     @property
     def slot(self) -> int:
         """This process's slot; a forked child takes its own on first use."""
-        if self.pid != os.getpid():
+        if self.pid != _pid:
             with self._lock:
                 if self.pid != os.getpid():
                     self._register()
@@ -265,12 +267,14 @@ class Arena:
     # --------------------------------------------------------------- pins
 
     def pinned_ptr(self, offset: int, pin: int, block: int):
-        """A ``char *`` at ``offset`` that unpins ``pin`` when garbage collected."""
-        with self._lock:
-            self._views[pin] = block
-        pid = os.getpid()
-        return ffi.gc(ffi.cast("char *", self.addr + offset),
-                      lambda _p: self._release(pid, pin))
+        """A ``char *`` at ``offset`` that unpins ``pin`` when garbage collected.
+
+        The hot path of every get: no lock (dict updates are atomic under
+        the GIL; the unmap decision, which needs one, is off this path).
+        """
+        self._views[pin] = block
+        pid = _pid
+        return ffi.gc(self.cbase + offset, lambda _p: self._release(pid, pin))
 
     def _release(self, pid: int, pin: int) -> None:
         try:
@@ -279,16 +283,17 @@ class Arena:
             pass
 
     def _release_pin(self, pid: int, pin: int) -> None:
-        if pid != os.getpid():  # a view inherited across fork: release our own pin
+        if pid != _pid:  # a view inherited across fork: release our own pin
             pin = self._remap.pop((pid, pin), 0)
             if not pin:
                 return
-        with self._lock:
-            self._views.pop(pin, None)
-            if not self.mapped:
-                return
+        if not self.mapped:
+            return
+        # Unpin before forgetting the view: while it is listed, nobody unmaps.
         lib.yr_unpin(self.base, pin)
-        self._maybe_unmap()
+        self._views.pop(pin, None)
+        if not self._handles:
+            self._maybe_unmap()
 
     def unpin(self, pin: int) -> None:
         lib.yr_unpin(self.base, pin)
@@ -405,8 +410,9 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _exit_hook_pid
+    global _exit_hook_pid, _pid
     _exit_hook_pid = 0
+    _pid = os.getpid()
     for arena in list(_arenas):
         try:
             arena.after_fork_in_child()
