@@ -18,7 +18,8 @@ an unreferenced generation that ``vacuum()`` removes.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+import queue
+import threading
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
@@ -75,6 +76,38 @@ class ScanRec(NamedTuple):
     owner: int
 
 
+class Unlinker:
+    """One daemon thread that removes files off the caller's path.
+
+    It runs nothing but ``os.unlink`` (which releases the GIL), so it does not
+    slow the threads that wait on it.  Re-created lazily after a fork.
+    """
+
+    def __init__(self):
+        self._q: queue.Queue | None = None
+        self._pid = 0
+
+    def submit(self, path: str) -> None:
+        if self._q is None or self._pid != os.getpid():
+            self._q, self._pid = queue.Queue(), os.getpid()
+            threading.Thread(target=self._run, args=(self._q,), name="yrcache-unlink", daemon=True).start()
+        self._q.put(path)
+
+    @staticmethod
+    def _run(q: queue.Queue) -> None:
+        while True:
+            path = q.get()
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            q.task_done()
+
+    def join(self) -> None:
+        if self._q is not None and self._pid == os.getpid():
+            self._q.join()
+
+
 def scan(a: shm.Arena, tier: int | None = None) -> Iterator[tuple[Any, str]]:
     """(scan record, key) of every live object (of ``tier``), a bucket batch per lock hold."""
     cursor = ffi.new("uint64_t *", 0)
@@ -114,9 +147,7 @@ class Mover:
         self.policy = policy
         self.cache = cache        # may drop cold objects when nothing else helps
         self.hbm = hbm            # DeviceTier of this process, or None
-        self._discarder: ThreadPoolExecutor | None = None
-        self._discarder_pid = 0
-        self._pending: list = []
+        self.unlinker = Unlinker()
 
     # --------------------------------------------------------------- demote
 
@@ -124,15 +155,18 @@ class Mover:
         return [Candidate(k, r.seq, r.nbytes, r.block_size, r.priority, r.access_count,
                           r.last_access, r.pins) for r, k in scan(self.a, TIER_DRAM)]
 
-    def make_room(self, incoming: int) -> None:
-        """Demote cold objects if ``incoming`` bytes would pass the high watermark."""
+    def make_room(self, incoming: int, max_priority: int | None = None, evict: bool = True) -> None:
+        """Demote cold objects if ``incoming`` bytes would pass the high watermark
+        (only objects of at most ``max_priority``, when given; dropping none
+        unless ``evict``)."""
         if self.disk is None and not self.cache:
             return
         st = ffi.new("yr_stats *")
         lib.yr_get_stats(self.a.base, st)
         need = self.policy.bytes_to_free(st.used, st.capacity, incoming)
         if need:
-            self.demote(need)
+            for _ in self.demote_each(need, max_priority, evict):
+                pass
 
     def demote(self, need: int) -> int:
         """Move (or, in cache mode with no SSD room, drop) about ``need`` bytes out of DRAM."""
@@ -141,7 +175,8 @@ class Mover:
             freed += got
         return freed
 
-    def demote_each(self, need: int | None = None) -> Iterator[int]:
+    def demote_each(self, need: int | None = None, max_priority: int | None = None,
+                    evict: bool = True) -> Iterator[int]:
         """Demote victims coldest first, yielding the bytes freed after each.
 
         A caller that only needs one block to fit stops as soon as it does,
@@ -149,21 +184,21 @@ class Mover:
         """
         if self.disk is None and not self.cache:
             return
-        cands = self.candidates()
+        cands = [c for c in self.candidates() if max_priority is None or c.priority <= max_priority]
         for c in self.policy.victims(cands, need if need is not None else sum(x.block_size for x in cands)):
             got = 0
             if self.disk is not None:
                 try:
-                    got = self.spill(c)
+                    got = self.spill(c, evict)
                 except StoreFullError:
-                    if not self.cache:
+                    if not (self.cache and evict):
                         return
-            if not got and self.cache:
+            if not got and self.cache and evict:
                 got = self.evict(c)
             if got:
                 yield got
 
-    def spill(self, c: Candidate) -> int:
+    def spill(self, c: Candidate, evict: bool = True) -> int:
         """Copy one DRAM object to SSD and replace it by a stub; bytes freed (0: lost a race)."""
         a = self.a
         kb = c.key.encode()
@@ -173,9 +208,10 @@ class Mover:
         try:
             if info.seq != c.seq or info.tier != TIER_DRAM:
                 return 0
-            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
-            src = np.frombuffer(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off), info.nbytes),
-                                dtype=np.uint8)
+            meta = bytes(ffi.buffer(a.cbase + info.meta_off, info.meta_len))
+            src = np.frombuffer(ffi.buffer(a.cbase + info.payload_off, info.nbytes), dtype=np.uint8)
+            if self.cache and evict and self.disk.used + info.nbytes > self.disk.capacity:
+                self.evict_from_ssd(self.disk.used + info.nbytes - self.disk.capacity)
             gen = new_gen()
             dk = disk_key(gen, c.key)
             self.disk.put(dk, meta, src, priority=int(info.priority),
@@ -211,6 +247,15 @@ class Mover:
         lib.yr_count(self.a.base, C_EVICTIONS, 1)
         return c.block_size
 
+    def evict_from_ssd(self, need: int) -> int:
+        """Cache mode: drop the coldest SSD objects until ``need`` bytes are free there."""
+        cands = [Candidate(k, r.seq, r.nbytes, r.nbytes, r.priority, r.access_count, r.last_access, 0)
+                 for r, k in scan(self.a, TIER_SSD)]
+        freed = 0
+        for c in self.policy.victims(cands, need):
+            freed += self.evict(c)
+        return freed
+
     def forget(self, key: str, retired) -> None:
         """A replaced or deleted object was a stub: free its disk copy or device tensor."""
         if not retired.existed:
@@ -226,11 +271,13 @@ class Mover:
     # ------------------------------------------------------------------ HBM
 
     def reserve_dram(self, kb: bytes, meta: bytes, nbytes: int, priority: int, expire_at: float,
-                     access_count: int) -> tuple[int, int]:
-        """Reserve a DRAM block, demoting colder objects if needed; (block, payload offset)."""
+                     access_count: int, max_priority: int | None = None,
+                     evict: bool = True) -> tuple[int, int]:
+        """Reserve a DRAM block, demoting colder objects (of at most
+        ``max_priority``) if needed; (block, payload offset)."""
         a = self.a
         poff = ffi.new("uint64_t *")
-        self.make_room(nbytes + len(kb) + len(meta) + 256)
+        self.make_room(nbytes + len(kb) + len(meta) + 256, max_priority, evict)
 
         def attempt() -> int:
             off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes, nbytes,
@@ -241,7 +288,7 @@ class Mover:
 
         off = attempt()
         if off == lib.YR_ENOSPC:
-            for _ in self.demote_each():
+            for _ in self.demote_each(None, max_priority, evict):
                 off = attempt()
                 if off != lib.YR_ENOSPC:
                     break
@@ -255,11 +302,13 @@ class Mover:
         slot = self.a.slot
         return {k: r for r, k in scan(self.a, TIER_HBM) if r.owner == slot}
 
-    def demote_hbm(self, need: int) -> int:
-        """Move about ``need`` bytes of cold tensors from HBM to DRAM."""
+    def demote_hbm(self, need: int, max_priority: int | None = None) -> int:
+        """Move about ``need`` bytes of cold tensors (of at most ``max_priority``) from HBM to DRAM."""
         stubs = self.hbm_stubs()
         cands = [Candidate(k, r.seq, r.nbytes, r.nbytes, r.priority, r.access_count, r.last_access, 0)
-                 for k, r in stubs.items()]
+                 for k, r in stubs.items() if max_priority is None or r.priority <= max_priority]
+        if max_priority is not None and sum(c.block_size for c in cands) < need:
+            return 0   # it would take moving an object that matters more
         freed = 0
         for c in self.policy.victims(cands, need):
             freed += self.demote_hbm_one(c.key, stubs[c.key])
@@ -314,12 +363,19 @@ class Mover:
             return None
 
     def promote(self, key: str, info, meta: bytes) -> bool:
-        """Bring an SSD object into DRAM (one ``readinto`` into the arena block)."""
+        """Bring an SSD object into DRAM (one ``readinto`` into the arena block).
+
+        The SSD copy goes: its index entry at once, its file on a background
+        thread (freeing a file's page cache takes milliseconds, which a read
+        should not wait for).  A promotion never displaces an object of
+        higher priority.
+        """
         a = self.a
         kb = key.encode()
         try:
             off, poff = self.reserve_dram(kb, meta, info.nbytes, info.priority, info.expire_at,
-                                          info.access_count)
+                                          info.access_count, max_priority=info.priority,
+                                          evict=False)   # a read never drops anything
         except StoreFullError:
             return False
         dk = disk_key(info.gen, key)
@@ -336,31 +392,16 @@ class Mover:
         if lib.yr_commit_ex(a.base, a.slot, off, info.seq, retired) != 0:
             lib.yr_abort(a.base, a.slot, off)
             return False
-        self.discard_later(dk)
+        self.disk.delete(dk, unlink=self.unlinker.submit)
         lib.yr_count(a.base, C_PROMOTIONS, 1)
         return True
 
-    def discard_later(self, dk: str) -> None:
-        """Remove a disk copy off the read path (freeing a file's page cache costs
-        milliseconds); ``flush()`` waits for it.  A crash before it runs leaves
-        an unreferenced generation that ``vacuum`` removes."""
-        if self._discarder is None or self._discarder_pid != os.getpid():
-            self._discarder = ThreadPoolExecutor(1, thread_name_prefix="yrcache-discard")
-            self._discarder_pid = os.getpid()
-        self._pending.append(self._discarder.submit(self.disk.delete, dk))
-        self._pending = [f for f in self._pending if not f.done()]
-
     def flush(self) -> None:
-        """Wait for background disk work of this handle."""
-        for f in self._pending:
-            f.result()
-        self._pending = []
+        """Wait for files whose removal was deferred."""
+        self.unlinker.join()
 
     def close(self) -> None:
-        if self._discarder is not None and self._discarder_pid == os.getpid():
-            self._discarder.shutdown(wait=True)
-        self._discarder = None
-        self._pending = []
+        self.unlinker.join()
 
     # ------------------------------------------------------------- restarts
 

@@ -488,8 +488,12 @@ class DiskTier:
         rec = _encode(_KIND_FILE, meta, nbytes, checksum, priority, expire_at, now, file_id.encode())
         self._commit(key, rec, nbytes, final)
 
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; True if it was there (expired objects count as absent)."""
+    def delete(self, key: str, *, unlink=None) -> bool:
+        """Remove ``key``; True if it was there (expired objects count as absent).
+
+        ``unlink``: a callable that removes the payload file later (e.g. on a
+        background thread); by default it is removed here.
+        """
         self._check_open()
         if not isinstance(key, str):
             return False
@@ -500,7 +504,10 @@ class DiskTier:
             rec = _decode(raw)
             self._cache.delete(key)
             self._cache.incr(_USED_KEY, -rec.nbytes)
-        self._unlink_payload(rec)
+        if unlink is not None and rec.kind == _KIND_FILE:
+            unlink(self._file_path(rec.raw[rec.meta_end:].decode()))
+        else:
+            self._unlink_payload(rec)
         return not _expired(rec, time.time())
 
     def clear(self) -> int:

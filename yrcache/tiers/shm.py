@@ -134,12 +134,11 @@ class Arena:
             st = os.fstat(shm.fd)
             self.size = st.st_size
             self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
-            if self.created and prefault:
-                # tmpfs: a first-touch write costs ~10x a write to a resident page,
-                # so fault the whole arena in once, here, not on the put path.
-                self.base = lib.yr_map(shm.fd, self.size, 1)
-            else:
-                self.base = lib.yr_map(shm.fd, self.size, 0)
+            # tmpfs: a first-touch write costs ~10x a write to a resident page,
+            # so the creator faults the whole arena in once, here, not on the
+            # put path.  An attacher may map every page up front too (about
+            # 0.14 s per GiB), sparing it a ~1 us fault per page it touches.
+            self.base = lib.yr_map(shm.fd, self.size, 1 if prefault else 0)
         finally:
             shm.close_fd()
         if self.base == ffi.NULL:
