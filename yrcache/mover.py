@@ -440,12 +440,13 @@ class Mover:
         return n
 
     def vacuum(self) -> int:
-        """Remove disk copies no stub refers to (only safe with no other writer)."""
+        """Remove disk copies no stub refers to, and files no index entry refers
+        to (crash leftovers).  Only safe with no other writer."""
         live = {disk_key(r.gen, k) for r, k in scan(self.a, TIER_SSD)}
         removed = 0
         for e in list(self.disk.entries()):
             if e.key not in live:
                 self.disk.delete(e.key)
                 removed += 1
-        return removed
+        return removed + self.disk.vacuum(min_age=0)
 

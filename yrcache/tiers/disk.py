@@ -539,13 +539,16 @@ class DiskTier:
             pass
         return purged[0]
 
-    def vacuum(self) -> int:
+    def vacuum(self, min_age: float | None = None) -> int:
         """Remove files no index record refers to (crash leftovers); return how many.
 
         Walks the whole directory and index: O(objects).  Files younger than
-        a few minutes are kept, since a concurrent put may still be about to
-        publish them.  Also purges expired objects and stale temp files.
+        ``min_age`` seconds (default: a few minutes) are kept, since a
+        concurrent put may still be about to publish them; pass 0 when no
+        other process writes the directory.  Also purges expired objects and
+        stale temp files.
         """
+        min_age = _ORPHAN_AGE if min_age is None else min_age
         self._check_open()
         now = time.time()
         candidates = []
@@ -557,7 +560,7 @@ class DiskTier:
                     st = ent.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                if stat.S_ISREG(st.st_mode) and now - max(st.st_mtime, st.st_ctime) > _ORPHAN_AGE:
+                if stat.S_ISREG(st.st_mode) and now - max(st.st_mtime, st.st_ctime) >= min_age:
                     candidates.append((ent.name, ent.path))
         live = set()
         for _key, rec in self._scan(""):          # also purges expired objects
