@@ -24,4 +24,5 @@ def lint(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """All benchmarks; figures go to docs/benchmarks.md by hand, with the command."""
     session.install("-e", ".[all]")
-    session.run("python", "bench/bench_store.py", *session.posargs)
+    for script in ("bench_store.py", "bench_tiers.py", "bench_rl_sync.py", "gpu_check.py"):
+        session.run("python", f"bench/{script}", *session.posargs)

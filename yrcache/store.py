@@ -674,12 +674,21 @@ class TieredStore(MutableMapping):
         shm.check(rc, f"get_into of {key[:60]!r}")
         if codec.is_tensor(out) and out.device.type == "cuda":
             self._ensure_cuda_pinned()
-        if info.tier != TIER_DRAM:      # on SSD: read it (or promote it), then copy
+        if info.tier != TIER_DRAM:      # on SSD or in HBM: read it, then copy
             a.unpin(info.pin)
             value = self.get(key, _MISSING)
             if value is _MISSING:
                 raise KeyError(key)
-            meta = bytes(ffi.buffer(ffi.cast("char *", a.addr + info.meta_off), info.meta_len))
+            if codec.is_tensor(value):
+                meta = codec.tensor_meta(value.dtype, value.shape)
+                if value.device.type != "cpu":      # an HBM tensor of this process
+                    if codec.is_tensor(out):
+                        _check_out(key, codec.describe(meta), out, value.numel() * value.element_size())
+                        out.copy_(value)
+                        return out
+                    value = value.cpu()
+            else:
+                meta = codec.array_meta(value.dtype, value.shape) if isinstance(value, np.ndarray) else b"B"
             _copy_out(key, meta, _as_u8(value), out)
             return out
         try:
@@ -912,24 +921,30 @@ def _iter_keys(a: shm.Arena, prefix: bytes) -> Iterator[str]:
             return
 
 
+def _check_out(key: str, desc: dict, out: Any, nbytes: int) -> None:
+    """``out`` (a tensor) must hold the stored bytes, shape and dtype."""
+    if out.numel() * out.element_size() != nbytes:
+        raise ValueError(f"get_into({key!r}): out holds {out.numel() * out.element_size()} bytes, "
+                         f"the stored value {nbytes}")
+    if "shape" in desc and tuple(out.shape) != desc["shape"]:
+        raise ValueError(f"get_into({key!r}): out has shape {tuple(out.shape)}, stored {desc['shape']}")
+    if desc["kind"] == "tensor" and str(out.dtype) != f"torch.{desc['dtype']}":
+        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {desc['dtype']}; "
+                         "pass an output of the stored dtype (get_into copies bytes, it does not cast)")
+
+
 def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
     desc = codec.describe(meta)
     if codec.is_tensor(out):
-        if out.numel() * out.element_size() != src.nbytes:
-            raise ValueError(f"get_into({key!r}): out holds {out.numel() * out.element_size()} bytes, "
-                             f"the stored value {src.nbytes}")
-        if "shape" in desc and tuple(out.shape) != desc["shape"]:
-            raise ValueError(f"get_into({key!r}): out has shape {tuple(out.shape)}, stored {desc['shape']}")
+        _check_out(key, desc, out, src.nbytes)
         if out.device.type != "cpu":
             import torch
             out.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
             return
     elif isinstance(out, np.ndarray) and "shape" in desc and out.shape != desc["shape"]:
         raise ValueError(f"get_into({key!r}): out has shape {out.shape}, stored {desc['shape']}")
-    stored = desc.get("dtype")
-    if desc["kind"] == "ndarray" and isinstance(out, np.ndarray) and out.dtype != np.dtype(stored) or \
-            desc["kind"] == "tensor" and codec.is_tensor(out) and str(out.dtype) != f"torch.{stored}":
-        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {stored}; "
+    if desc["kind"] == "ndarray" and isinstance(out, np.ndarray) and out.dtype != np.dtype(desc["dtype"]):
+        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {desc['dtype']}; "
                          "pass an output of the stored dtype (get_into copies bytes, it does not cast)")
     dst = codec.as_bytes_view(out)
     if dst.nbytes != src.nbytes:
