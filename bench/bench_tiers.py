@@ -358,7 +358,7 @@ def bench_ssd_vs_diskcache(cfg: Config, cleanup: U.Cleanup, res: dict, root: str
 
         def dc_readinto():
             with dc.get(key, read=True) as fh:
-                n = fh.readinto(buf)
+                n = fh.readinto(buf)  # noqa: F821 - deleted only after the last call
             if n != BIG:
                 raise RuntimeError(f"diskcache readinto got {n} bytes")
 

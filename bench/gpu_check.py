@@ -127,7 +127,7 @@ def run(args, torch, doc: dict, cleanup: U.Cleanup) -> None:
     orders = (("yr", "pinned", "pageable"), ("pinned", "pageable", "yr"), ("pageable", "yr", "pinned"))
     for r in range(reps + 1):
         for which in orders[r % 3]:
-            dt, d = timed(lambda: sources[which].to(dev, non_blocking=True))
+            dt, d = timed(lambda: sources[which].to(dev, non_blocking=True))  # noqa: F821,B023
             if r == 0 and not torch.equal(d, src_dev):
                 raise RuntimeError(f"H2D from {which}: the device copy differs from the source")
             del d

@@ -14,11 +14,9 @@ import ctypes
 import gc
 import multiprocessing
 import os
-import queue as queue_mod
 import random
 import signal
 import time
-import traceback
 
 import numpy as np
 import pytest
@@ -26,6 +24,7 @@ import pytest
 from yrcache import TieredStore
 from yrcache._arena import ffi, lib
 from yrcache.tiers import shm
+from procs import finish, kill_and_join, seg_exists, start, wait_or_die  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
 
@@ -40,68 +39,6 @@ EBUSY = 16
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def seg_exists(name: str) -> bool:
-    return os.path.exists(f"{shm.SHM_DIR}{shm.shm_name(name)}")
-
-
-def _entry(q, fn, args):
-    try:
-        res = fn(*args)
-    except BaseException:  # noqa: BLE001
-        q.put(("err", traceback.format_exc()))
-    else:
-        q.put(("ok", res))
-
-
-def start(ctx, fn, *args):
-    q = ctx.Queue()
-    p = ctx.Process(target=_entry, args=(q, fn, args), daemon=True)
-    p.start()
-    return p, q
-
-
-def finish(p, q, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status, res = q.get(timeout=0.1)
-            break
-        except queue_mod.Empty:
-            if not p.is_alive():
-                try:
-                    status, res = q.get(timeout=2)
-                    break
-                except queue_mod.Empty:
-                    p.join()
-                    pytest.fail(f"child {p.name} exited with code {p.exitcode} and no report")
-            if time.monotonic() > deadline:
-                p.kill()
-                p.join(5)
-                pytest.fail(f"child {p.name} gave no report within {timeout}s")
-    p.join(timeout)
-    if status == "err":
-        pytest.fail(f"child {p.name} failed:\n{res}")
-    assert p.exitcode == 0, f"child {p.name} exit code {p.exitcode}"
-    return res
-
-
-def kill_and_join(p):
-    if p.is_alive():
-        p.kill()
-    p.join(10)
-    assert not p.is_alive()
-
-
-def wait_or_die(event, p, timeout=30.0):
-    """Wait for ``event`` set by child ``p``; fail early if the child died."""
-    deadline = time.monotonic() + timeout
-    while not event.wait(0.05):
-        if not p.is_alive():
-            pytest.fail(f"child {p.name} died (exit code {p.exitcode}) before signalling")
-        if time.monotonic() > deadline:
-            pytest.fail(f"child {p.name} did not signal within {timeout}s")
 
 
 def make_value(rng: random.Random, lo: int = 7, hi: int = 18, fill: int | None = None) -> np.ndarray:
@@ -254,7 +191,7 @@ def test_kill_in_tight_put_small_loop(mp_context, make_store, store_name):
     s = make_store(dram="8MiB")
     rng = random.Random(11)
     kills = 24 if mp_context.get_start_method() == "fork" else 5
-    for i in range(kills):
+    for _i in range(kills):
         ready = mp_context.Event()
         p = mp_context.Process(target=_c_put_small_loop, args=(store_name, ready), daemon=True)
         p.start()

@@ -3,7 +3,7 @@
 Every child runs both under ``fork`` and ``spawn`` (the ``mp_context``
 fixture) unless it tests something only one start method has.  Child
 functions live at module level so ``spawn`` can pickle them; they report back
-through ``_entry`` (a result, or the child's traceback).  torch is imported
+through ``child_entry`` (a result, or the child's traceback).  torch is imported
 lazily so that spawned children which do not need it start quickly.
 """
 
@@ -12,85 +12,21 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import queue as queue_mod
 import random
 import time
-import traceback
 
 import numpy as np
 import pytest
 
 from yrcache import StoreNotFoundError, TieredStore
 from yrcache.tiers import shm
+from procs import finish, kill_all, seg_exists, start  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
 KEYS = [f"k{i}" for i in range(6)]
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def seg_path(name: str) -> str:
-    return f"{shm.SHM_DIR}{shm.shm_name(name)}"
-
-
-def seg_exists(name: str) -> bool:
-    return os.path.exists(seg_path(name))
-
-
-def _entry(q, fn, args):
-    """Child side: run ``fn(*args)`` and report ``("ok", result)`` or ``("err", traceback)``."""
-    try:
-        res = fn(*args)
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put(("err", traceback.format_exc()))
-    else:
-        q.put(("ok", res))
-
-
-def start(ctx, fn, *args):
-    q = ctx.Queue()
-    p = ctx.Process(target=_entry, args=(q, fn, args), daemon=True)
-    p.start()
-    return p, q
-
-
-def finish(p, q, timeout: float = 60.0):
-    """Wait for a child's report, join it, and fail with its traceback if it failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status, res = q.get(timeout=0.1)
-            break
-        except queue_mod.Empty:
-            if not p.is_alive():
-                try:
-                    status, res = q.get(timeout=2)
-                    break
-                except queue_mod.Empty:
-                    p.join()
-                    pytest.fail(f"child {p.name} exited with code {p.exitcode} and no report")
-            if time.monotonic() > deadline:
-                p.kill()
-                p.join(5)
-                pytest.fail(f"child {p.name} gave no report within {timeout}s")
-    p.join(timeout)
-    if p.is_alive():
-        p.kill()
-        p.join(5)
-        pytest.fail(f"child {p.name} reported but did not exit")
-    if status == "err":
-        pytest.fail(f"child {p.name} failed:\n{res}")
-    assert p.exitcode == 0, f"child {p.name} exit code {p.exitcode}"
-    return res
-
-
-def kill_all(procs):
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(10)
 
 
 def make_value(rng: random.Random, lo: int = 7, hi: int = 18) -> np.ndarray:

@@ -49,8 +49,8 @@ class TestEmbeddedStore(StoreSuite):
 
         def make(**kw):
             kw.setdefault("dram", "16MiB")
-            # every store needs its own name: a second create of the same name
-            # in this process would share the first one's arena
+            # every store needs its own name: a second create of a live store's
+            # name raises FileExistsError
             name = store_name if not made else f"{store_name}-{len(made)}"
             s = TieredStore(name=name, **kw)
             made.append(s)
@@ -61,7 +61,7 @@ class TestEmbeddedStore(StoreSuite):
         names = [s.name for s in made]
         for s in made:
             s.close()
-        del made
+        made.clear()
         if len(names) > 1:
             gc.collect()
             # store_name checks the first name; check the others here

@@ -20,17 +20,16 @@ from __future__ import annotations
 
 import gc
 import os
-import queue as queue_mod
 import random
 import signal
 import time
-import traceback
 
 import numpy as np
 import pytest
 
 from yrcache import Tier, TieredStore
 from yrcache.tiers import shm
+from procs import get_report, kill_and_join, seg_exists, child_entry  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
 VAL = 200_000
@@ -41,10 +40,6 @@ VAL = 200_000
 
 def arr(i: int, n: int = VAL) -> np.ndarray:
     return (np.arange(n, dtype=np.uint64) * np.uint64(2654435761) + np.uint64(i & 0xFFFF)).astype(np.uint8)
-
-
-def seg_exists(name: str) -> bool:
-    return os.path.exists(f"{shm.SHM_DIR}{shm.shm_name(name)}")
 
 
 def payload_files(ssd) -> list[str]:
@@ -71,39 +66,6 @@ def check_value(v) -> int:
     bad = np.flatnonzero(v[2:] != fill)
     assert bad.size == 0, f"torn value: {bad.size} of {n - 2} words differ from the fill"
     return int(fill)
-
-
-def _entry(q, fn, args):
-    try:
-        res = fn(*args)
-    except BaseException:  # noqa: BLE001
-        q.put(("err", traceback.format_exc()))
-    else:
-        q.put(("ok", res))
-
-
-def get_report(p, q, timeout: float = 60.0):
-    """The child's first report (it keeps running afterwards, to be killed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status, res = q.get(timeout=0.1)
-            break
-        except queue_mod.Empty:
-            if not p.is_alive():
-                pytest.fail(f"child exited with code {p.exitcode} before reporting")
-            if time.monotonic() > deadline:
-                pytest.fail(f"child gave no report within {timeout}s")
-    if status == "err":
-        pytest.fail(f"child failed:\n{res}")
-    return res
-
-
-def kill_and_join(p) -> None:
-    if p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-    p.join(10)
-    assert not p.is_alive()
 
 
 @pytest.fixture
@@ -160,7 +122,7 @@ def check_all(s):
 def test_owner_killed_with_dram_and_ssd_objects_is_reattached(mp_context, cleanup_name, tmp_path):
     name, ssd = cleanup_name, str(tmp_path / "ssd")
     q = mp_context.Queue()
-    p = mp_context.Process(target=_entry, args=(q, _owner_fills_both_tiers, (name, ssd, q)), daemon=True)
+    p = mp_context.Process(target=child_entry, args=(q, _owner_fills_both_tiers, (name, ssd, q)), daemon=True)
     p.start()
     try:
         tiers = get_report(p, q)
@@ -257,7 +219,7 @@ def test_new_store_over_old_ssd_directory(store_name, tmp_path):
 def test_killed_owner_segment_destroyed_then_new_store_over_its_ssd(mp_context, cleanup_name, tmp_path):
     name, ssd = cleanup_name, str(tmp_path / "ssd")
     q = mp_context.Queue()
-    p = mp_context.Process(target=_entry, args=(q, _owner_fills_both_tiers, (name, ssd, q)), daemon=True)
+    p = mp_context.Process(target=child_entry, args=(q, _owner_fills_both_tiers, (name, ssd, q)), daemon=True)
     p.start()
     try:
         tiers = get_report(p, q)

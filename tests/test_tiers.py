@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import gc
 import os
-import queue as queue_mod
 import subprocess
 import sys
 import time
-import traceback
 
 import numpy as np
 import pytest
 
 from yrcache import CorruptObjectError, StoreFullError, Tier, TieredStore
-from yrcache.tiers import shm
+from procs import finish, kill_all, seg_exists, start  # noqa: E402
 
 KB = 1024
 MB = 1024 * 1024
@@ -70,58 +68,6 @@ def payload_files(ssd) -> list[str]:
     for root, _dirs, files in os.walk(os.path.join(ssd, "data")):
         out += [os.path.join(root, f) for f in files]
     return sorted(out)
-
-
-def seg_exists(name: str) -> bool:
-    return os.path.exists(f"{shm.SHM_DIR}{shm.shm_name(name)}")
-
-
-def _entry(q, fn, args):
-    try:
-        res = fn(*args)
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        q.put(("err", traceback.format_exc()))
-    else:
-        q.put(("ok", res))
-
-
-def start(ctx, fn, *args):
-    q = ctx.Queue()
-    p = ctx.Process(target=_entry, args=(q, fn, args), daemon=True)
-    p.start()
-    return p, q
-
-
-def finish(p, q, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            status, res = q.get(timeout=0.1)
-            break
-        except queue_mod.Empty:
-            if not p.is_alive():
-                try:
-                    status, res = q.get(timeout=2)
-                    break
-                except queue_mod.Empty:
-                    p.join()
-                    pytest.fail(f"child exited with code {p.exitcode} and no report")
-            if time.monotonic() > deadline:
-                p.kill()
-                p.join(5)
-                pytest.fail(f"child gave no report within {timeout}s")
-    p.join(timeout)
-    if status == "err":
-        pytest.fail(f"child failed:\n{res}")
-    assert p.exitcode == 0
-    return res
-
-
-def kill_all(procs):
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
 
 
 def _drop_failed_test_locals() -> None:

@@ -259,6 +259,9 @@ class TieredStore(MutableMapping):
 
     # ------------------------------------------------------------- helpers
 
+    def _check_open(self) -> None:
+        self._a   # noqa: B018 - raises StoreClosedError when closed
+
     @property
     def _a(self) -> shm.Arena:
         a = self._arena
@@ -804,7 +807,7 @@ class TieredStore(MutableMapping):
     def flush(self) -> None:
         """Wait until background work is done (replication in cluster mode).
         Moves between tiers are synchronous in an embedded store."""
-        self._a
+        self._check_open()
         self._mover.flush()
 
     # ------------------------------------------------------------ lifecycle
@@ -849,7 +852,7 @@ class TieredStore(MutableMapping):
         self.close()
 
     def __enter__(self) -> "TieredStore":
-        self._a
+        self._check_open()
         return self
 
     def __exit__(self, *exc) -> None:

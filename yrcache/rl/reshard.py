@@ -521,11 +521,11 @@ def plan_copy(
             pstart[p.dim] = p.offset
         lo = [max(b0, ps) for (b0, _), ps in zip(box, pstart)]
         hi = [min(b1, ps + s) for (_, b1), ps, s in zip(box, pstart, p.shape)]
-        extent = tuple(h - l for l, h in zip(lo, hi))
+        extent = tuple(h - lo_d for lo_d, h in zip(lo, hi))
         if any(e <= 0 for e in extent):
             continue  # no overlap: this part is never touched
-        src_start = [l - ps for l, ps in zip(lo, pstart)]
-        dst_start = [l - b0 + o for l, (b0, _), o in zip(lo, box, origin)]
+        src_start = [lo_d - ps for lo_d, ps in zip(lo, pstart)]
+        dst_start = [lo_d - b0 + o for lo_d, (b0, _), o in zip(lo, box, origin)]
         src, dst, run = _box_copies(extent, p.shape, src_start, dshape, dst_start)
         rows = np.empty((len(src), 4), dtype=np.int64)
         rows[:, 0] = pid

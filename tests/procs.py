@@ -1,0 +1,105 @@
+"""Helpers for tests that run real child processes (fork and spawn).
+
+Child functions run through ``child_entry``, which reports ``("ok", result)``
+or ``("err", traceback)`` on a queue, so a failure in a child fails the test
+with the child's traceback.  Module-level, so spawn children can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import time
+import traceback
+
+import pytest
+
+from yrcache.tiers import shm
+
+
+def seg_path(name: str) -> str:
+    return f"{shm.SHM_DIR}{shm.shm_name(name)}"
+
+
+def seg_exists(name: str) -> bool:
+    return os.path.exists(seg_path(name))
+
+
+def child_entry(q, fn, args):
+    """Child side: run ``fn(*args)`` and report ``("ok", result)`` or ``("err", traceback)``."""
+    try:
+        res = fn(*args)
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        q.put(("err", traceback.format_exc()))
+    else:
+        q.put(("ok", res))
+
+
+def start(ctx, fn, *args):
+    """Start ``fn(*args)`` in a child of context ``ctx``; returns (process, queue)."""
+    q = ctx.Queue()
+    p = ctx.Process(target=child_entry, args=(q, fn, args), daemon=True)
+    p.start()
+    return p, q
+
+
+def get_report(p, q, timeout: float = 60.0):
+    """The child's first report (it may keep running afterwards, to be killed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status, res = q.get(timeout=0.1)
+            break
+        except queue_mod.Empty:
+            if not p.is_alive():
+                try:
+                    status, res = q.get(timeout=2)
+                    break
+                except queue_mod.Empty:
+                    p.join()
+                    pytest.fail(f"child {p.name} exited with code {p.exitcode} and no report")
+            if time.monotonic() > deadline:
+                p.kill()
+                p.join(5)
+                pytest.fail(f"child {p.name} gave no report within {timeout}s")
+    if status == "err":
+        p.join(5)
+        pytest.fail(f"child {p.name} failed:\n{res}")
+    return res
+
+
+def finish(p, q, timeout: float = 60.0):
+    """Wait for a child's report, join it, and fail with its traceback if it failed."""
+    res = get_report(p, q, timeout)
+    p.join(timeout)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+    assert p.exitcode == 0, f"child {p.name} exit code {p.exitcode}"
+    return res
+
+
+def kill_and_join(p) -> None:
+    """SIGKILL ``p`` (if still running) and reap it."""
+    if p.is_alive():
+        p.kill()
+    p.join(10)
+    assert not p.is_alive()
+
+
+def kill_all(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(10)
+
+
+def wait_or_die(event, p, timeout: float = 30.0) -> None:
+    """Wait for ``event`` set by child ``p``; fail early if the child died."""
+    deadline = time.monotonic() + timeout
+    while not event.wait(0.05):
+        if not p.is_alive():
+            pytest.fail(f"child {p.name} died (exit code {p.exitcode}) before signalling")
+        if time.monotonic() > deadline:
+            pytest.fail(f"child {p.name} did not signal within {timeout}s")
