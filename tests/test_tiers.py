@@ -887,3 +887,29 @@ def test_yrcache_stat_prints_a_tier_table(make_store, store_name, tmp_path, torc
     assert st["tiers"]["ssd"]["objects"] == 1 and st["promotions"] == 1
     assert st["tiers"]["dram"]["objects"] == 2
     assert st["tiers"]["hbm"]["objects"] == 1       # the owner's HBM objects, seen from outside
+
+
+def test_view_stays_pinned_when_a_promotion_to_hbm_is_refused(make_store, torch):
+    """A hot DRAM tensor whose promotion is refused (HBM is full of a tensor of
+    higher priority) comes back as a DRAM view that still pins its block: the
+    key's deletion and new puts over the freed space must not change it."""
+    s = make_store(dram="4MiB", hbm="1MiB", device="cpu")
+    s.put("vip", torch.zeros(200_000, dtype=torch.float32), tier=Tier.HBM, priority=10)   # 800 kB
+    want = torch.arange(100_000, dtype=torch.float32)                                      # 400 kB
+    s.put("t", want)
+    s["t"]                                        # the first read: no promotion asked
+    views = [s["t"] for _ in range(2)]            # reads 2 and 3 ask for one: refused
+    assert s.tier_of("t") == Tier.DRAM and s.tier_of("vip") == Tier.HBM
+    assert s.stats()["pinned_bytes"] > 0
+    assert s.delete("t")
+    for i in range(6):                            # reuse every free byte of DRAM
+        try:
+            s.put(f"junk{i}", torch.full((100_000,), -1.0))
+        except StoreFullError:
+            break
+    for v in views:
+        assert torch.equal(v, want), "a view lost its pin: its bytes were reused"
+    del views, v
+    gc.collect()
+    s.check()
+    assert s.stats()["pinned_bytes"] == 0

@@ -16,7 +16,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable, Iterator, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from . import codec
 from ._arena import ffi, lib
 from .errors import StoreClosedError, StoreFullError, YrcacheError
 from .mover import ANY_SEQ, TIER_DRAM, TIER_HBM, TIER_SSD, Mover, scan
+
+if TYPE_CHECKING:
+    from .hbm import HbmOwner
 from .policy import Policy
 from .sizes import format_size, parse_size
 from .tiers import shm
@@ -102,8 +105,8 @@ class TieredStore(MutableMapping):
                 "cluster mode is not available in this version of yrcache; "
                 "unset YRCACHE_ETCD and drop cluster= to use the embedded store"
             )
-        self._hbm = None
-        self._service = None
+        self._hbm: HbmOwner | None = None
+        device_tier = None
         hbm = hbm if hbm is not None else os.environ.get("YRCACHE_HBM")
         if policy not in ("spill", "cache"):
             raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
@@ -152,7 +155,7 @@ class TieredStore(MutableMapping):
             device = device or _default_device()
             from .tiers.device import DeviceTier
 
-            self._hbm = DeviceTier(device, hbm_b)
+            device_tier = DeviceTier(device, hbm_b)   # validates device= before anything exists
         self.name = shm.check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         arena = shm.Arena(self.name, create=True, size=dram_b, prefault=prefault)
         adopted = not arena.created
@@ -165,8 +168,11 @@ class TieredStore(MutableMapping):
             else:
                 self._write_config(config)
             self._configure(config)
-            if self._hbm is not None:
-                self._start_hbm_service()
+            if device_tier is not None:
+                from .hbm import HbmOwner
+
+                self._hbm = HbmOwner(arena, self._mover, self._policy, device_tier, self._ensure_cuda_pinned)
+                _hbm_stores[id(self)] = weakref.ref(self)
             if self._disk is not None and not adopted:
                 self._mover.rebuild()          # a fresh arena over an old SSD directory
             elif self._disk is not None and len(arena.attached()) == 1:
@@ -182,8 +188,7 @@ class TieredStore(MutableMapping):
             from .tiers.disk import DiskTier
 
             self._disk = DiskTier(config["ssd"], config.get("ssd_size"))
-        self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache",
-                            getattr(self, "_hbm", None))
+        self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache")
         self._config = config
 
     def _ensure_cuda_pinned(self) -> None:
@@ -207,18 +212,8 @@ class TieredStore(MutableMapping):
         # Device memory and the service thread stay with the parent; a forked
         # child reads HBM objects like any other process (by asking the owner).
         if self._hbm is not None:
+            self._hbm.disown()
             self._hbm = None
-            self._service = None
-            self._mover.hbm = None
-
-    def _start_hbm_service(self) -> None:
-        _hbm_stores[id(self)] = weakref.ref(self)
-        from .mover import HBM_DONE, HBM_REQ
-        from .tiers.device import DemotionService
-
-        if self._hbm.device.type == "cuda":
-            self._ensure_cuda_pinned()
-        self._service = DemotionService(self._mover.serve_hbm, self._arena, HBM_REQ, HBM_DONE)
 
     def _write_config(self, config: dict) -> None:
         n = ffi.new("uint32_t *")
@@ -324,9 +319,8 @@ class TieredStore(MutableMapping):
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
-        if self._hbm is not None and codec.is_tensor(value) and (
-                tier == Tier.HBM or (tier is None and value.device.type != "cpu" and self._hbm.holds(value))):
-            if self._put_hbm(a, kb, value, int(priority), expire_at):
+        if self._hbm is not None and self._hbm.takes(value, tier):
+            if self._hbm.put(kb, value, int(priority), expire_at):
                 return
         elif tier == Tier.HBM:
             raise TypeError(f"the HBM tier holds torch tensors, not {type(value).__name__}")
@@ -340,35 +334,6 @@ class TieredStore(MutableMapping):
             return
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
-
-    def _put_hbm(self, a: shm.Arena, kb: bytes, value: Any, priority: int, expire_at: float) -> bool:
-        """Keep a tensor on the device (a D2D copy, no host copy); False if HBM has no room."""
-        hbm = self._hbm
-        nbytes = value.numel() * value.element_size()
-        if nbytes > hbm.capacity:
-            return False
-        need = self._policy.bytes_to_free(hbm.used, hbm.capacity, nbytes)
-        if need:
-            self._mover.demote_hbm(need)
-        if not hbm.fits(nbytes):
-            return False
-        t = hbm.copy_in(value)
-        meta = codec.tensor_meta(t.dtype, t.shape)
-        key = kb.decode()
-        poff = ffi.new("uint64_t *")
-        retired = ffi.new("yr_retired *")
-        for attempt in (0, 1):
-            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, nbytes,
-                                    priority, expire_at, TIER_HBM, a.slot, 0, 0, poff)
-            if off > 0:
-                shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
-                if not (retired.existed and retired.tier == TIER_HBM and retired.owner == a.slot):
-                    self._mover.forget(key, retired)
-                hbm.store(key, t, meta, retired.new_seq, priority)
-                return True
-            if attempt or not self._mover.demote(4096):
-                break
-        return False
 
     def _put_encoded(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
                      priority: int, expire_at: float, tier: Tier | None = None) -> None:
@@ -490,8 +455,7 @@ class TieredStore(MutableMapping):
             key_bytes(k)            # validate every key before storing anything
         rest = []
         for k, v in pairs:
-            if self._hbm is not None and codec.is_tensor(v) and (
-                    tier == Tier.HBM or (tier is None and v.device.type != "cpu" and self._hbm.holds(v))):
+            if self._hbm is not None and self._hbm.takes(v, tier):
                 self.put(k, v, tier=tier, priority=priority, ttl=ttl)
             else:
                 rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
@@ -532,56 +496,18 @@ class TieredStore(MutableMapping):
         if info.tier != TIER_DRAM:
             a.unpin(info.pin)   # a stub: the bytes live in a lower tier
             return self._from_lower(key, info, meta)
-        if self._hbm is not None and meta[0] == 84 and \
-                self._policy.should_promote(info.access_count, info.nbytes, self._hbm_room()):
-            t = self._promote_hbm(a, key, info, meta)
+        if self._hbm is not None and self._hbm.wants(info, meta, self._policy):
+            t = self._hbm.promote(key, info, meta)
             if t is not None:
                 return t
         ptr = a.pinned_ptr(info.payload_off, info.pin, info.block_off)
         return dec(ffi.buffer(ptr, info.nbytes), info.nbytes)
 
-    def _hbm_room(self) -> int:
-        """The most a promoted tensor may take: what HBM holds under its high watermark."""
-        return int(self._policy.high * self._hbm.capacity)
-
-    def _promote_hbm(self, a: shm.Arena, key: str, info, meta: bytes) -> Any:
-        """A hot DRAM tensor moves up (one H2D copy); returns the device tensor, or None."""
-        try:
-            need = self._policy.bytes_to_free(self._hbm.used, self._hbm.capacity, info.nbytes)
-            if need:   # a read never displaces an object that matters more, nor fails for room
-                try:
-                    self._mover.demote_hbm(need, max_priority=int(info.priority))
-                except StoreFullError:
-                    return None
-            if not self._hbm.fits(info.nbytes):
-                return None
-            view = codec.decoder(meta)(ffi.buffer(ffi.cast("char *", a.addr + info.payload_off),
-                                                  info.nbytes), info.nbytes)
-            t = self._hbm.copy_in(view)
-            del view
-            kb = key.encode()
-            poff = ffi.new("uint64_t *")
-            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, info.nbytes,
-                                    info.priority, info.expire_at, TIER_HBM, a.slot, 0,
-                                    info.access_count, poff)
-            if off <= 0:
-                return None
-            retired = ffi.new("yr_retired *")
-            if lib.yr_commit_ex(a.base, a.slot, off, info.seq, retired) != 0:
-                lib.yr_abort(a.base, a.slot, off)
-                return None
-            self._mover.forget(key, retired)   # a clean SSD copy of the DRAM object
-            self._hbm.store(key, t, meta, retired.new_seq, int(info.priority))
-            lib.yr_count(a.base, 5, 1)   # promotions
-            return t
-        finally:
-            a.unpin(info.pin)
-
     def _from_hbm(self, key: str, info) -> Any:
         """An HBM object: ours is returned as is; another process's is demoted on request."""
         a = self._a
         if self._hbm is not None and info.owner == a.slot:
-            t = self._hbm.get(key, info.seq)
+            t = self._hbm.tier.get(key, info.seq)
             return t if t is not None else _RETRY
         kb = key.encode()
         from .mover import HBM_DONE, HBM_REQ, WANTED
@@ -785,11 +711,11 @@ class TieredStore(MutableMapping):
         # O(objects) when lower tiers exist: stubs are counted by a scan of the index.
         lower = [(r.tier, r.nbytes) for r, _ in scan(a) if r.tier != TIER_DRAM] if self._multi_tier else []
         in_hbm = [n for t, n in lower if t == TIER_HBM]
-        hbm, disk = self._hbm, self._disk
+        disk = self._disk
         tiers: dict = {}
         if self._config.get("hbm"):   # the HBM tier lives in the creating process
             tiers["hbm"] = {"capacity": self._config["hbm"], "used": sum(in_hbm), "objects": len(in_hbm),
-                            "device": str(hbm.device) if hbm is not None else None}
+                            "device": str(self._hbm.tier.device) if self._hbm is not None else None}
         tiers["dram"] = {"capacity": st.capacity, "used": st.used, "objects": st.objects - len(lower),
                          "free": st.free_bytes, "largest_free": st.largest_free}
         if disk is not None:
@@ -822,27 +748,13 @@ class TieredStore(MutableMapping):
         already returned stay valid."""
         if self._arena is not None and not self._closed:
             if self._hbm is not None:
-                self._close_hbm()
+                _hbm_stores.pop(id(self), None)
+                self._hbm.close()
             self._closed = True
             self._mover.close()
             if self._disk is not None:
                 self._disk.close()
             self._arena.release_handle()
-
-    def _close_hbm(self) -> None:
-        """Device memory goes with this handle: hand HBM objects to DRAM if anyone stays."""
-        _hbm_stores.pop(id(self), None)
-        if self._service is not None:
-            self._service.stop()
-            self._service = None
-        try:
-            if len(self._arena.attached()) > 1:
-                stubs = self._mover.hbm_stubs()
-                for key, _obj in self._hbm.items():
-                    if key in stubs:
-                        self._mover.demote_hbm_one(key, stubs[key])
-        finally:
-            self._hbm.clear()
 
     def destroy(self) -> None:
         """Unlink the store now, whoever is attached (their mappings stay valid)."""

@@ -89,6 +89,7 @@ typedef struct {
     uint32_t nprocs, npins;
     uint64_t seq;
     uint64_t used, objects, orphans, reserved, pinned_bytes;
+    uint64_t ttl_objects;     /* live objects with an expiry: yr_expire skips its scan at 0 */
     uint64_t counters[C_NCOUNTERS];
     uint64_t freehead[NCLASSES];
     uint64_t free_bitmap;
@@ -315,6 +316,7 @@ static void retire_locked(hdr_t *h, uint64_t *slot) {
     *slot = b->next;
     b->next = 0;
     if (!INTERNAL(b)) h->objects--;
+    if (b->expire_at != 0.0) h->ttl_objects--;
     if (b->pins) {
         b->state = ST_ORPHAN;
         h->orphans++;
@@ -638,20 +640,13 @@ static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expecte
     b->state = ST_LIVE;
     *bucket = off;   /* the object becomes visible here, atomically */
     h->reserved--;
+    if (b->expire_at != 0.0) h->ttl_objects++;
     if (!INTERNAL(b)) {
         h->objects++;
         /* a conditional commit is a move between tiers, not a caller's put */
         if (expected_seq == UINT64_MAX) h->counters[C_PUTS]++;
     }
     return YR_OK;
-}
-
-int yr_commit(void *base, uint32_t slot, uint64_t off) {
-    hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
-    int r = commit_locked(h, slot, off, UINT64_MAX, NULL);
-    unlock(h);
-    return r;
 }
 
 int yr_commit_ex(void *base, uint32_t slot, uint64_t off, uint64_t expected_seq, yr_retired *out) {
@@ -889,23 +884,6 @@ int yr_contains(void *base, const char *key, uint32_t klen) {
     return r;
 }
 
-int yr_touch(void *base, const char *key, uint32_t klen, double expire_at,
-             int64_t priority, int set_priority) {
-    hdr_t *h = H(base);
-    uint64_t hash = hash_key(key, klen);
-    if (lock(h)) return YR_ELOCK;
-    uint64_t *s = find_slot(h, hash, key, klen);
-    int r = YR_ENOTFOUND;
-    if (s) {
-        blk_t *b = AT(h, *s);
-        if (expire_at >= 0) b->expire_at = expire_at;
-        if (set_priority) b->priority = priority;
-        r = YR_OK;
-    }
-    unlock(h);
-    return r;
-}
-
 int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
                 const char *prefix, uint32_t plen) {
     hdr_t *h = H(base);
@@ -1030,6 +1008,7 @@ int yr_expire(void *base, double now) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
     int n = 0;
+    if (!h->ttl_objects) { unlock(h); return 0; }   /* O(1) when nothing can expire */
     for (uint64_t i = 0; i < h->nbuckets; i++) {
         uint64_t *s = &BUCKETS(h)[i];
         while (*s) {
@@ -1067,7 +1046,7 @@ static void recover_locked(hdr_t *h) {
      *    between retiring the old object and publishing the new one), the
      *    newer sequence number wins. */
     memset(BUCKETS(h), 0, h->nbuckets * 8);
-    h->objects = h->orphans = h->reserved = h->pinned_bytes = h->used = 0;
+    h->objects = h->orphans = h->reserved = h->pinned_bytes = h->used = h->ttl_objects = 0;
     for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) {
         blk_t *b = AT(h, off);
         if (b->state != ST_LIVE) continue;
@@ -1078,11 +1057,13 @@ static void recover_locked(hdr_t *h) {
             *s = o->next;
             o->state = ST_ORPHAN;
             if (!INTERNAL(o)) h->objects--;
+            if (o->expire_at != 0.0) h->ttl_objects--;
         }
         uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
         b->next = *bucket;
         *bucket = off;
         if (!INTERNAL(b)) h->objects++;
+        if (b->expire_at != 0.0) h->ttl_objects++;
         if (b->seq > h->seq) h->seq = b->seq;
     }
     /* 3. Free lists and accounting, merging free runs. */
@@ -1111,14 +1092,6 @@ static void recover_locked(hdr_t *h) {
         off += b->size;
     }
     if (prev && AT(h, prev)->state == ST_FREE) fl_insert(h, prev);
-}
-
-int yr_recover(void *base) {
-    hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
-    recover_locked(h);
-    unlock(h);
-    return YR_OK;
 }
 
 int yr_check_invariants(void *base, char *msg, uint32_t msglen) {

@@ -99,7 +99,6 @@ int  yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_s
 int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen,
                    const char *meta, uint32_t mlen, uint64_t nbytes,
                    int64_t priority, double expire_at, uint64_t *payload_off);
-int  yr_commit(void *base, uint32_t slot, uint64_t block_off);
 /* tiered variants: a reservation may be a stub (no payload here) for an
  * object whose bytes live in another tier; a commit may be conditional on
  * the sequence number of the object it replaces (0: the key must be absent,
@@ -144,8 +143,6 @@ int  yr_put_small_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
                      const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
                      int64_t priority, double expire_at, yr_retired *out);
 int  yr_contains(void *base, const char *key, uint32_t klen);
-int  yr_touch(void *base, const char *key, uint32_t klen, double expire_at,
-              int64_t priority, int set_priority);
 
 /* iterate keys: fills buf with [u32 len][bytes] records starting at bucket
  * *cursor; returns the number of keys written, advances *cursor (0 at end). */
@@ -155,7 +152,6 @@ int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
 int  yr_get_stats(void *base, yr_stats *out);
 void yr_count(void *base, int which, uint64_t n);
 int  yr_expire(void *base, double now);
-int  yr_recover(void *base);
 int  yr_check_invariants(void *base, char *msg, uint32_t msglen);
 int  yr_debug_hold_lock(void *base, int scramble);  /* tests only */
 

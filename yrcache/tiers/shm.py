@@ -31,7 +31,6 @@ SHM_DIR = "/dev/shm"
 
 # user words in the arena header
 UW_FLAGS = 0      # bit 0: the owner closed its handle
-UW_CREATED = 1    # creation time (ns) to tell reincarnations apart
 FLAG_OWNER_CLOSED = 1
 
 ERRORS = {
@@ -153,7 +152,6 @@ class Arena:
                 if npins is None:
                     npins = max(1024, min(1 << 22, size // 4096))   # 16 B each
                 check(lib.yr_arena_init(self.base, self.size, nprocs, npins), "arena init")
-                lib.yr_user_word(self.base, UW_CREATED)[0] = os.getpid()
             elif lib.yr_arena_check(self.base, self.size) != 0:
                 raise StoreNotFoundError(
                     f"{SHM_DIR}{self.shm_name} is not a usable yrcache store (being created, "
