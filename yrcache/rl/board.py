@@ -1,0 +1,225 @@
+"""The version manifest of a weight set, behind a small interface.
+
+``VersionBoard`` records which ranks published which version, marks complete
+versions, retires old ones and wakes waiters.  This implementation keeps JSON
+manifests in the store itself (under ``__rl__/<name>/``) and wakes waiters with
+a futex word of the arena; the interface is small on purpose so that it can
+move to etcd (a marker per version needs no compare-and-swap; a watch replaces
+the futex).  ``merge_manifests`` turns the ranks' manifests of one version into
+the global shape and parts of every tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import codec
+from .reshard import publish_parts, replicated_parts
+
+#: Keys under this prefix belong to ``yrcache.rl``.
+RESERVED_PREFIX = "__rl__/"
+FORMAT = 1
+
+
+def _check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or "/" in name or "\x00" in name:
+        raise ValueError(f"weight set name must be a non-empty str without '/' or NUL, got {name!r}")
+    return name
+
+
+class VersionBoard:
+    """The version manifest of one weight set: which versions exist and what they hold.
+
+    This local implementation keeps JSON manifests as bytes values in the
+    store under ``__rl__/<name>/`` and wakes waiters with the arena futex word
+    ``crc32(name) % 16``.  The interface is small on purpose so that an etcd
+    implementation (markers as keys, a watch for wake-ups) can replace it.
+    """
+
+    def __init__(self, store, name: str):
+        self.store = store
+        self.name = _check_name(name)
+        self.prefix = f"{RESERVED_PREFIX}{name}/"
+        self.word = zlib.crc32(name.encode()) % 16
+        self._latest: tuple[int, int | None] | None = None   # (token, latest) cache
+
+    # ---------------------------------------------------------------- keys
+    def version_prefix(self, version: int) -> str:
+        """Prefix of every key (parts and manifests) that belongs to ``version``."""
+        return f"{self.prefix}v/{version:020d}/"
+
+    def part_key(self, version: int, rank: int, nonce: str, tensor: str) -> str:
+        """The key a rank stores one tensor part under."""
+        return f"{self.version_prefix(version)}p/{rank}/{nonce}/{tensor}"
+
+    def _manifest_key(self, version: int, rank: int) -> str:
+        return f"{self.version_prefix(version)}m/{rank:06d}"
+
+    def _complete_key(self, version: int) -> str:
+        return f"{self.prefix}complete/{version:020d}"
+
+    def _started_key(self, version: int) -> str:
+        return f"{self.prefix}started/{version:020d}"
+
+    def _scan(self, sub: str) -> list[int]:
+        pre = self.prefix + sub
+        out = set()
+        for k in self.store.keys(prefix=pre):
+            try:
+                out.add(int(k[len(pre):len(pre) + 20]))
+            except ValueError:
+                pass
+        return sorted(out)
+
+    # ------------------------------------------------------------- writing
+    def begin(self, version: int) -> None:
+        """Announce that a rank started publishing ``version`` (for ``head``)."""
+        self.store.put(self._started_key(version), b"")
+
+    def record_rank(self, version: int, rank: int, manifest: dict) -> None:
+        """Record ``rank``'s manifest of ``version`` (after its parts are stored)."""
+        self.store.put(self._manifest_key(version, rank),
+                       json.dumps(manifest, separators=(",", ":")).encode())
+
+    def complete(self, version: int, marker: dict) -> None:
+        """Make ``version`` visible (idempotent) and wake every waiter."""
+        self.store.put(self._complete_key(version), json.dumps(marker, separators=(",", ":")).encode())
+        self.wake()
+
+    def retire(self, version: int) -> None:
+        """Hide ``version`` (marker first), then drop its manifests and parts.
+
+        Readers that already hold views of its parts keep them; the memory
+        is freed when the last view dies.
+        """
+        self.store.delete(self._complete_key(version))
+        self.store.delete(self._started_key(version))
+        for k in list(self.store.keys(prefix=self.version_prefix(version))):
+            self.store.delete(k)
+
+    # ------------------------------------------------------------- reading
+    def rank_manifests(self, version: int, world: int) -> list[dict | None]:
+        """The manifests of ranks ``0..world-1`` of ``version`` (None where missing), one snapshot."""
+        raw = self.store.mget([self._manifest_key(version, r) for r in range(world)])
+        return [None if b is None else json.loads(bytes(b)) for b in raw]
+
+    def completion(self, version: int) -> dict | None:
+        """The completion marker of ``version``, or None when it is not (or no longer) visible."""
+        raw = self.store.get(self._complete_key(version))
+        return None if raw is None else json.loads(bytes(raw))
+
+    def complete_versions(self) -> list[int]:
+        """Every visible version, ascending."""
+        return self._scan("complete/")
+
+    def versions(self) -> list[int]:
+        """Every version with anything stored (complete, in flight or abandoned), ascending."""
+        return sorted(set(self._scan("v/")) | set(self._scan("started/")) | set(self._scan("complete/")))
+
+    def latest(self) -> int | None:
+        """The newest visible version, or None (cached until the futex word moves)."""
+        tok = self.token()
+        cached = self._latest
+        if cached is not None and cached[0] == tok:
+            return cached[1]
+        done = self.complete_versions()
+        latest = done[-1] if done else None
+        self._latest = (tok, latest)
+        return latest
+
+    def head(self) -> int | None:
+        """The newest version any rank has started publishing (>= ``latest()``)."""
+        started = self._scan("started/")
+        cands = [v for v in (started[-1] if started else None, self.latest()) if v is not None]
+        return max(cands) if cands else None
+
+    # -------------------------------------------------------------- waking
+    def token(self) -> int:
+        """The current wake-up counter; read it *before* checking, then ``wait_change``."""
+        return self.store._a.notify_value(self.word)
+
+    def wait_change(self, seen: int, timeout: float | None) -> bool:
+        """Sleep until the counter differs from ``seen``; False on timeout."""
+        return self.store._a.notify_wait(self.word, seen, timeout)
+
+    def wake(self) -> None:
+        """Bump the counter and wake every waiter."""
+        self.store._a.notify_wake(self.word)
+
+
+class _Tensor(NamedTuple):
+    """One published tensor merged over ranks: its global shape and where its parts live."""
+
+    kind: str            # "torch" | "numpy"
+    dtype: str           # stored dtype: torch name ("bfloat16") or numpy str ("<f4")
+    itemsize: int
+    shape: tuple
+    parts: tuple         # tuple[Part, ...]
+    keys: tuple          # store key of each part
+
+
+def _dtype_itemsize(kind: str, dtype: str) -> int:
+    if kind == "torch":
+        return getattr(codec._torch(), dtype).itemsize
+    return np.dtype(dtype).itemsize
+
+
+def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -> dict[str, _Tensor]:
+    """Merge the per-rank manifests of one version into ``{tensor: _Tensor}``.
+
+    Raises ValueError when the ranks disagree (world, dtype, shard dim,
+    shapes) or a sharded tensor is missing on some rank.
+    """
+    world = len(manifests)
+    order: dict[str, None] = {}
+    for m in manifests:
+        if m.get("world") != world:
+            raise ValueError(f"version {version} of {name!r}: rank {m.get('rank')} published with "
+                             f"world={m.get('world')} but {world} ranks are expected")
+        order.update(dict.fromkeys(m["tensors"]))
+    out = {}
+    for t in order:
+        entries = [(r, m["tensors"].get(t)) for r, m in enumerate(manifests)]
+        have = [(r, e) for r, e in entries if e is not None]
+        r0, e0 = have[0]
+        for r, e in have:
+            if (e["kind"], e["dtype"]) != (e0["kind"], e0["dtype"]) or e["dim"] != e0["dim"]:
+                raise ValueError(
+                    f"version {version} of {name!r}: tensor {t!r} is {e['kind']}/{e['dtype']} split on "
+                    f"dim {e['dim']} on rank {r} but {e0['kind']}/{e0['dtype']} on dim {e0['dim']} on "
+                    f"rank {r0}; every rank must publish it alike")
+        itemsize = _dtype_itemsize(e0["kind"], e0["dtype"])
+        if e0["dim"] is None:
+            if r0 != 0 or e0["key"] is None:
+                raise ValueError(
+                    f"version {version} of {name!r}: replicated tensor {t!r} (no layout entry) is on "
+                    f"rank {r0} but not on rank 0, which stores replicated tensors; publish it from "
+                    "rank 0 or give it a Shard layout")
+            for r, e in have:
+                if tuple(e["shape"]) != tuple(e0["shape"]):
+                    raise ValueError(
+                        f"version {version} of {name!r}: replicated tensor {t!r} has shape "
+                        f"{tuple(e['shape'])} on rank {r} but {tuple(e0['shape'])} on rank 0; "
+                        "pass a Shard layout if it is split")
+            shape = tuple(e0["shape"])
+            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, shape,
+                             tuple(replicated_parts(shape)), (e0["key"],))
+        else:
+            missing = [r for r, e in entries if e is None]
+            if missing:
+                raise ValueError(f"version {version} of {name!r}: sharded tensor {t!r} is missing on "
+                                 f"rank(s) {missing}; every rank must publish its part (it may be empty)")
+            shapes = [tuple(e["shape"]) for _, e in entries]
+            parts = publish_parts(shapes, e0["dim"])
+            gshape = list(shapes[0])
+            gshape[e0["dim"]] = sum(s[e0["dim"]] for s in shapes)
+            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, tuple(gshape), tuple(parts),
+                             tuple(e["key"] for _, e in entries))
+    return out
+
+
+# --------------------------------------------------------------------------- publish
