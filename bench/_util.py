@@ -392,3 +392,30 @@ def serve(conn, handlers: dict[str, Callable[..., Any]], on_exit: Callable[[], A
     finally:
         if on_exit is not None:
             on_exit()
+
+
+def render(rows: list[dict]) -> str:
+    """The results table every benchmark prints: figures, ratio, target, verdict."""
+    header = ["workload", "yrcache", "baseline", "ratio", "target", "ok"]
+    body = [[r["workload"], r["yrcache"], r["baseline"], fmt_ratio(r["ratio"]), r["target"] or "-",
+             "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")] for r in rows]
+    return markdown_table(header, body, ["l", "r", "r", "r", "l", "l"])
+
+
+def print_footer(env: dict, rows: list[dict], foreign_cpus: float | None, t_start: float,
+                 interrupted: bool, error: str | None) -> str:
+    """Print load, the PASS/FAIL count and any error; returns the end load average."""
+    targets = [r for r in rows if r["ok"] is not None]
+    passed = sum(1 for r in targets if r["ok"])
+    end_load = loadavg()
+    fc = foreign_cpus
+    print(f"load average at start: {env['loadavg']}; at end: {end_load}; other processes kept "
+          + (f"{fc:.2f} of {os.cpu_count()} CPUs busy during the run" if fc is not None else "? CPUs busy")
+          + ("  -- timings are pessimistic: rerun on an idle machine" if fc is not None and fc > 0.2 else ""))
+    print(f"targets: {passed} PASS, {len(targets) - passed} FAIL"
+          + ("  (run interrupted: partial results)" if interrupted else "")
+          + ("  (run stopped by an error: partial results)" if error else "")
+          + f"; total time {time.monotonic() - t_start:.0f} s")
+    if error:
+        print("\n" + error, file=sys.stderr)
+    return end_load

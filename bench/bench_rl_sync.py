@@ -980,13 +980,6 @@ def build_rows(res: dict, model: Model, size_desc: str) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict]) -> str:
-    header = ["workload", "yrcache", "baseline", "ratio", "target", "ok"]
-    body = [[r["workload"], r["yrcache"], r["baseline"], U.fmt_ratio(r["ratio"]), r["target"] or "-",
-             "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")] for r in rows]
-    return U.markdown_table(header, body, ["l", "r", "r", "r", "l", "l"])
-
-
 def breakdown(res: dict) -> str:
     """Median per phase over the timed rounds, in ms from the release of the trainers."""
     lines = []
@@ -1165,7 +1158,7 @@ def main(argv=None) -> int:
 
     threads = next((s["threads"] for m in methods for s in res.get(m, {}).get("setup", [])), "?")
     rows = build_rows(res, model, size_desc)
-    print(render(rows))
+    print(U.render(rows))
     print()
     print("where the time goes (median ms over the timed rounds; + = since the trainers were released):")
     print(breakdown(res))
@@ -1177,19 +1170,8 @@ def main(argv=None) -> int:
         print(f"## cProfile of one extra yrcache round ({pr['seconds'] * 1e3:.1f} ms)\n")
         print("### trainer 0 (publish)\n" + pr["trainers"][0].get("profile", ""))
         print("### rollout 0 (wait + fetch)\n" + pr["rollouts"][0].get("profile", ""))
-    targets = [r for r in rows if r["ok"] is not None]
-    passed = sum(1 for r in targets if r["ok"])
-    end_load = U.loadavg()
     fc = foreign.cpus()
-    print(f"load average at start: {env['loadavg']}; at end: {end_load}; other processes kept "
-          + (f"{fc:.2f} of {os.cpu_count()} CPUs busy during the run" if fc is not None else "? CPUs busy")
-          + ("  -- timings are pessimistic: rerun on an idle machine" if fc is not None and fc > 0.2 else ""))
-    print(f"targets: {passed} PASS, {len(targets) - passed} FAIL"
-          + ("  (run interrupted: partial results)" if interrupted else "")
-          + ("  (run stopped by an error: partial results)" if error else "")
-          + f"; total time {time.monotonic() - t_start:.0f} s")
-    if error:
-        print("\n" + error, file=sys.stderr)
+    end_load = U.print_footer(env, rows, fc, t_start, interrupted, error)
     if args.json:
         doc = {"env": env, "model": asdict(model), "args": vars(args), "loadavg_end": end_load,
                "foreign_cpus": fc, "rows": rows, "raw": res, "interrupted": interrupted, "error": error}

@@ -655,13 +655,6 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict]) -> str:
-    header = ["workload", "yrcache", "baseline", "ratio", "target", "ok"]
-    body = [[r["workload"], r["yrcache"], r["baseline"], U.fmt_ratio(r["ratio"]), r["target"] or "-",
-             "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")] for r in rows]
-    return U.markdown_table(header, body, ["l", "r", "r", "r", "l", "l"])
-
-
 NOTES = """\
 ratio = yrcache speed / baseline speed (baseline time / yrcache time); > 1 means yrcache is faster.
 put:    median (and best) of {put_reps} samples per size; a sample averages 2000 (4 KiB) / 64 (1 MiB) / 1 put;
@@ -723,27 +716,15 @@ def main(argv=None) -> int:
         cleanup.run()
 
     rows = build_rows(cfg, res)
-    print(render(rows))
+    print(U.render(rows))
     print()
     rel = [r["yr_release_median_ns"] for r in rows if "yr_release_median_ns" in r]
     print(NOTES.format(put_reps="/".join(str(cfg.put_reps[s]) for s in cfg.put_sizes),
                        release=U.fmt_ns(U.median(rel)) if rel else "n/a",
                        get_n=cfg.get_n, budget=cfg.base_get_budget_s, small_n=cfg.small_n,
                        rounds=cfg.small_rounds, base_n=cfg.small_base_n, runs=cfg.create_runs))
-    targets = [r for r in rows if r["ok"] is not None]
-    passed = sum(1 for r in targets if r["ok"])
-    end_load = U.loadavg()
     foreign = foreign_load.cpus()
-    print(f"load average at start: {env['loadavg']}; at end: {end_load}; other processes kept "
-          + (f"{foreign:.2f} of {os.cpu_count()} CPUs busy during the run" if foreign is not None else "? CPUs busy")
-          + ("  -- timings are pessimistic: rerun on an idle machine"
-             if foreign is not None and foreign > 0.2 else ""))
-    print(f"targets: {passed} PASS, {len(targets) - passed} FAIL"
-          + ("  (run interrupted: partial results)" if interrupted else "")
-          + ("  (run stopped by an error: partial results)" if error else "")
-          + f"; total time {time.monotonic() - t_start:.0f} s")
-    if error:
-        print("\n" + error, file=sys.stderr)
+    end_load = U.print_footer(env, rows, foreign, t_start, interrupted, error)
 
     if args.json:
         doc = {"env": env, "loadavg_end": end_load, "foreign_cpus": foreign, "quick": cfg.quick, "config": {k: v for k, v in vars(cfg).items()},

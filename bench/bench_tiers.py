@@ -522,13 +522,6 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
     return rows
 
 
-def render(rows: list[dict]) -> str:
-    header = ["workload", "yrcache", "baseline", "ratio", "target", "ok"]
-    body = [[r["workload"], r["yrcache"], r["baseline"], U.fmt_ratio(r["ratio"]), r["target"] or "-",
-             "" if r["ok"] is None else ("PASS" if r["ok"] else "FAIL")] for r in rows]
-    return U.markdown_table(header, body, ["l", "r", "r", "r", "l", "l"])
-
-
 NOTES = """\
 ratio = yrcache speed / baseline speed (baseline time / yrcache time); > 1 means yrcache is faster.
 Every 64 MiB figure is the median (best in brackets) of {reps} samples ({cold_reps} cold), interleaved with
@@ -604,7 +597,7 @@ def main(argv=None) -> int:
         log(f"warning: {root} could not be removed")
 
     rows = build_rows(cfg, res)
-    print(render(rows))
+    print(U.render(rows))
     print()
     fs = "?"
     try:
@@ -617,20 +610,8 @@ def main(argv=None) -> int:
         pass
     print(NOTES.format(reps=cfg.reps, cold_reps=cfg.cold_reps, rounds=cfg.small_rounds,
                        small_n=cfg.small_n, root_fs=fs))
-    targets = [r for r in rows if r["ok"] is not None]
-    passed = sum(1 for r in targets if r["ok"])
-    end_load = U.loadavg()
     foreign = foreign_load.cpus()
-    print(f"load average at start: {env['loadavg']}; at end: {end_load}; other processes kept "
-          + (f"{foreign:.2f} of {os.cpu_count()} CPUs busy during the run" if foreign is not None else "? CPUs busy")
-          + ("  -- timings are pessimistic: rerun on an idle machine"
-             if foreign is not None and foreign > 0.2 else ""))
-    print(f"targets: {passed} PASS, {len(targets) - passed} FAIL"
-          + ("  (run interrupted: partial results)" if interrupted else "")
-          + ("  (run stopped by an error: partial results)" if error else "")
-          + f"; total time {time.monotonic() - t_start:.0f} s")
-    if error:
-        print("\n" + error, file=sys.stderr)
+    end_load = U.print_footer(env, rows, foreign, t_start, interrupted, error)
 
     if args.json:
         doc = {"env": env, "loadavg_end": end_load, "foreign_cpus": foreign, "quick": cfg.quick,

@@ -674,18 +674,9 @@ int yr_abort(void *base, uint32_t slot, uint64_t off) {
 int yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen,
                  const char *meta, uint32_t mlen, const char *data, uint64_t nbytes,
                  int64_t priority, double expire_at) {
-    hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
-    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, nbytes, nbytes, priority,
-                                 expire_at, TIER_DRAM, 0, 0);
-    if (off > 0) {
-        blk_t *b = AT(h, off);
-        memcpy((char *)b + b->payload_rel, data, nbytes);
-        commit_locked(h, slot, (uint64_t)off, UINT64_MAX, NULL);
-        off = 0;
-    }
-    unlock(h);
-    return (int)off;
+    yr_retired ignored;
+    return yr_put_small_ex(base, slot, key, klen, meta, mlen, data, nbytes, priority, expire_at,
+                           &ignored);
 }
 
 int yr_put_small_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
