@@ -419,3 +419,10 @@ def print_footer(env: dict, rows: list[dict], foreign_cpus: float | None, t_star
     if error:
         print("\n" + error, file=sys.stderr)
     return end_load
+
+
+def destroy_store(name: str) -> None:
+    """Remove a store's segment by name (cleanup after an interrupted run)."""
+    from yrcache.tiers.shm import destroy
+
+    destroy(name)

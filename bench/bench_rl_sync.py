@@ -707,11 +707,6 @@ def remove_shm_files() -> None:
                 pass
 
 
-def destroy_store_by_name(name: str) -> None:
-    from yrcache.tiers.shm import destroy
-    destroy(name)
-
-
 def cpu_of(pids: list[int]) -> float:
     """CPU seconds used so far by ``pids`` (all threads) and by this process."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -769,7 +764,7 @@ class Group:
         if method == "yrcache":
             cfg["store"] = f"ybench-rl-{RUN_ID}"
             dram = int(args.dram_factor * model.numel() * 2) + 64 * MiB   # keep=2 + one in flight + slack
-            cleanup.add(f"destroy store {cfg['store']}", functools.partial(destroy_store_by_name, cfg["store"]))
+            cleanup.add(f"destroy store {cfg['store']}", functools.partial(U.destroy_store, cfg["store"]))
             log(f"{method}: creating a {dram / GiB:.2f} GiB store in an owner process (pre-faulted)")
             self.owner = U.Child(functools.partial(_owner_main, cfg["store"], dram), "store-owner", cleanup)
             if self.owner.ready[0] != "ready":

@@ -48,18 +48,6 @@ import _util as U  # noqa: E402  (bench/_util.py, also importable in spawned chi
 from yrcache import TieredStore  # noqa: E402
 
 
-def destroy_store_by_name(name: str) -> None:
-    """Remove a store's segment by name (cleanup after an interrupted constructor)."""
-    try:
-        from yrcache.tiers.shm import destroy
-    except ImportError:  # internals moved: the segment is /dev/shm/yrcache.<name>
-        try:
-            os.unlink(f"/dev/shm/yrcache.{name}")
-        except FileNotFoundError:
-            pass
-    else:
-        destroy(name)
-
 KiB, MiB, GiB = U.KiB, U.MiB, U.GiB
 pc = time.perf_counter_ns
 RUN_ID = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -121,7 +109,7 @@ def log(msg: str) -> None:
 
 def new_store(cleanup: U.Cleanup, dram: int, tag: str) -> tuple[TieredStore, int]:
     name = f"ybench-{tag}-{RUN_ID}"
-    handle = cleanup.add(f"destroy store {name}", lambda: destroy_store_by_name(name))
+    handle = cleanup.add(f"destroy store {name}", lambda: U.destroy_store(name))
     store = TieredStore(name=name, dram=dram)
     cleanup.add(f"close store {name}", store.destroy)
     return store, handle
@@ -296,7 +284,7 @@ def bench_create(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
     size = 1 * GiB
     for i in range(cfg.create_runs):
         name = f"ybench-create{i}-{RUN_ID}"
-        h = cleanup.add(f"destroy store {name}", lambda name=name: destroy_store_by_name(name))
+        h = cleanup.add(f"destroy store {name}", lambda name=name: U.destroy_store(name))
         gc.collect()
         t0 = pc()
         s = TieredStore(name=name, dram=size)

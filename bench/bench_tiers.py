@@ -103,21 +103,9 @@ def touched(size: int) -> np.ndarray:
     return a
 
 
-def destroy_store_by_name(name: str) -> None:
-    try:
-        from yrcache.tiers.shm import destroy
-    except ImportError:  # internals moved: the segment is /dev/shm/yrcache.<name>
-        try:
-            os.unlink(f"/dev/shm/yrcache.{name}")
-        except FileNotFoundError:
-            pass
-    else:
-        destroy(name)
-
-
 def new_store(cleanup: U.Cleanup, tag: str, **kw) -> TieredStore:
     name = f"ybench-tiers-{tag}-{RUN_ID}"
-    cleanup.add(f"destroy store {name}", lambda: destroy_store_by_name(name))
+    cleanup.add(f"destroy store {name}", lambda: U.destroy_store(name))
     store = TieredStore(name=name, **kw)
     cleanup.add(f"close store {name}", store.destroy)
     return store

@@ -50,18 +50,6 @@ pc = time.perf_counter_ns
 H2D_TARGET = 0.8
 
 
-def destroy_store_by_name(name: str) -> None:
-    try:
-        from yrcache.tiers.shm import destroy
-    except ImportError:
-        try:
-            os.unlink(f"/dev/shm/yrcache.{name}")
-        except FileNotFoundError:
-            pass
-    else:
-        destroy(name)
-
-
 def emit(doc: dict, path: str | None) -> None:
     print("JSON: " + json.dumps(doc, default=str))
     if path:
@@ -94,7 +82,7 @@ def run(args, torch, doc: dict, cleanup: U.Cleanup) -> None:
                            "cuda": torch.version.cuda})
 
     name = f"ybench-gpu-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    cleanup.add(f"destroy store {name}", lambda: destroy_store_by_name(name))
+    cleanup.add(f"destroy store {name}", lambda: U.destroy_store(name))
     t0 = pc()
     # HBM holds one tensor below its 0.9 watermark, two pass it (so a 2nd put demotes the 1st)
     store = TieredStore(name=name, dram=4 * nbytes + 64 * MiB, hbm=nbytes * 3 // 2, device=str(dev),

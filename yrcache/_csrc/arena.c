@@ -611,6 +611,17 @@ int64_t yr_reserve_ex(void *base, uint32_t slot, const char *key, uint32_t klen,
     return off;
 }
 
+/* What a caller must know of an object it replaced or deleted: where its
+ * bytes lived, so it can free a disk copy or a device tensor. */
+static void describe_retired(blk_t *o, yr_retired *out) {
+    out->existed = 1;
+    out->tier = (uint32_t)o->aux[0];
+    out->owner = (uint32_t)(o->aux[0] >> 32);
+    out->gen = o->aux[1];
+    out->seq = o->seq;
+    out->nbytes = o->nbytes;
+}
+
 static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expected_seq,
                          yr_retired *out) {
     blk_t *b = AT(h, off);
@@ -622,15 +633,7 @@ static int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expecte
     }
     if (out) memset(out, 0, sizeof(*out));
     if (old) {
-        blk_t *o = AT(h, *old);
-        if (out) {
-            out->existed = 1;
-            out->tier = (uint32_t)o->aux[0];
-            out->gen = o->aux[1];
-            out->seq = o->seq;
-            out->nbytes = o->nbytes;
-            out->owner = (uint32_t)(o->aux[0] >> 32);
-        }
+        if (out) describe_retired(AT(h, *old), out);
         retire_locked(h, old);
     }
     uint64_t *bucket = &BUCKETS(h)[b->hash & (h->nbuckets - 1)];
@@ -851,12 +854,7 @@ int yr_delete_ex(void *base, const char *key, uint32_t klen, uint64_t expected_s
     if (s && (expected_seq == UINT64_MAX || AT(h, *s)->seq == expected_seq)) {
         blk_t *b = AT(h, *s);
         r = expired(b, now) ? YR_ENOTFOUND : YR_OK;
-        out->existed = 1;
-        out->tier = (uint32_t)b->aux[0];
-        out->gen = b->aux[1];
-        out->seq = b->seq;
-        out->nbytes = b->nbytes;
-        out->owner = (uint32_t)(b->aux[0] >> 32);
+        describe_retired(b, out);
         retire_locked(h, s);
         if (r == YR_OK) h->counters[C_DELETES]++;
     }
