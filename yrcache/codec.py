@@ -57,6 +57,13 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
     non-contiguous input is made contiguous (one copy) and a device tensor is
     copied to the host.
     """
+    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype.kind in _NUMPY_KINDS \
+            and value.dtype.byteorder != ">":
+        # The common case first: a contiguous native array needs no copy.
+        sig = (value.dtype, value.shape)
+        meta = _array_metas.get(sig)
+        if meta is not None:
+            return meta, value, value.nbytes
     if isinstance(value, (bytes, bytearray)):
         return b"B", value, len(value)
     if isinstance(value, memoryview):

@@ -9,6 +9,7 @@ key is overwritten or deleted, the store is closed, or the writer dies.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import shutil
 import threading
@@ -348,16 +349,8 @@ class TieredStore(MutableMapping):
         if self._disk is not None or self._hbm is not None or self._mover.cache:
             self._mover.make_room(block)
         retired, poff = _scratch()
-
-        def attempt() -> int:
-            if nbytes <= SMALL_VALUE and not callable(payload):
-                src = ffi.from_buffer(payload) if nbytes else ffi.NULL
-                return lib.yr_put_small_ex(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
-                                           priority, expire_at, retired)
-            rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
-                                priority, expire_at, poff)
-            return self._fill_and_commit(a, rc, poff[0], payload, nbytes, retired) if rc > 0 else rc
-
+        attempt = functools.partial(self._attempt_put, a, kb, meta, payload, nbytes, priority,
+                                    expire_at, retired, poff)
         rc = attempt()
         if rc == lib.YR_ENOSPC:
             # No room: reclaim what dead processes and expired keys hold...
@@ -380,6 +373,17 @@ class TieredStore(MutableMapping):
         if self._disk is not None:
             return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
         raise self._full_error(nbytes)
+
+    def _attempt_put(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
+                     priority: int, expire_at: float, retired, poff) -> int:
+        """One try at storing in DRAM: 0, or the arena's error code (ENOSPC: no block fits)."""
+        if nbytes <= SMALL_VALUE and not callable(payload):
+            src = ffi.from_buffer(payload) if nbytes else ffi.NULL
+            return lib.yr_put_small_ex(a.base, a.slot, kb, len(kb), meta, len(meta), src, nbytes,
+                                       priority, expire_at, retired)
+        rc = lib.yr_reserve(a.base, a.slot, kb, len(kb), meta, len(meta), nbytes,
+                            priority, expire_at, poff)
+        return self._fill_and_commit(a, rc, poff[0], payload, nbytes, retired) if rc > 0 else rc
 
     def _put_ssd(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
                  priority: int, expire_at: float) -> None:
