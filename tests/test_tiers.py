@@ -913,3 +913,12 @@ def test_view_stays_pinned_when_a_promotion_to_hbm_is_refused(make_store, torch)
     gc.collect()
     s.check()
     assert s.stats()["pinned_bytes"] == 0
+
+
+def test_failed_constructor_leaves_no_segment(store_name, tmp_path):
+    """An SSD path that is a file: a clear error, and no shared memory left behind."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match="not a directory"):
+        TieredStore(name=store_name, dram="2MiB", ssd=not_a_dir)
+    assert not seg_exists(store_name)

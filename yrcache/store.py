@@ -755,7 +755,9 @@ class TieredStore(MutableMapping):
                 _hbm_stores.pop(id(self), None)
                 self._hbm.close()
             self._closed = True
-            self._mover.close()
+            mover = getattr(self, "_mover", None)   # None when the constructor failed early
+            if mover is not None:
+                mover.close()
             if self._disk is not None:
                 self._disk.close()
             self._arena.release_handle()
