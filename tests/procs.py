@@ -1,4 +1,4 @@
-"""Helpers for tests that run real child processes (fork and spawn).
+"""Helpers shared by the tests: real child processes (fork and spawn), cleanup.
 
 Child functions run through ``child_entry``, which reports ``("ok", result)``
 or ``("err", traceback)`` on a queue, so a failure in a child fails the test
@@ -8,6 +8,7 @@ with the child's traceback.  Module-level, so spawn children can import it.
 from __future__ import annotations
 
 import os
+import sys
 import queue as queue_mod
 import time
 import traceback
@@ -103,3 +104,18 @@ def wait_or_die(event, p, timeout: float = 30.0) -> None:
             pytest.fail(f"child {p.name} died (exit code {p.exitcode}) before signalling")
         if time.monotonic() > deadline:
             pytest.fail(f"child {p.name} did not signal within {timeout}s")
+
+
+def drop_failed_test_locals() -> None:
+    """A failed test's traceback keeps its locals (views, store handles) alive;
+    clear them so that a failure is not followed by a misleading "left shared
+    memory behind" error."""
+    tb = getattr(sys, "last_traceback", None)
+    while tb is not None:
+        try:
+            tb.tb_frame.clear()
+        except RuntimeError:
+            pass
+        else:
+            tb.tb_frame.f_locals.clear()
+        tb = tb.tb_next

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 
 import pytest
 
@@ -13,27 +12,12 @@ pytest.register_assert_rewrite("store_suite")
 from store_suite import StoreSuite  # noqa: E402
 
 from yrcache import Tier, TieredStore  # noqa: E402
+from procs import drop_failed_test_locals  # noqa: E402
 
 # Every test ends with gc.collect() (conftest's store_name); with torch loaded
 # that walks ~10^6 long-lived objects, ~0.1-0.2 s a test.  Move what is alive
 # after the imports out of the collector's sight (it lives for the whole run).
 gc.freeze()
-
-
-def _drop_failed_test_locals() -> None:
-    """A failed test's traceback keeps its locals (and so its views, which keep
-    the arena mapped) alive; clear them so that a failure is not followed by a
-    misleading "left shared memory behind" error."""
-    tb = getattr(sys, "last_traceback", None)
-    while tb is not None:
-        frame = tb.tb_frame
-        try:
-            frame.clear()
-        except RuntimeError:  # still executing
-            pass
-        else:
-            frame.f_locals.clear()  # the snapshot pytest's report took
-        tb = tb.tb_next
 
 
 class TestEmbeddedStore(StoreSuite):
@@ -57,7 +41,7 @@ class TestEmbeddedStore(StoreSuite):
             return s
 
         yield make
-        _drop_failed_test_locals()
+        drop_failed_test_locals()
         names = [s.name for s in made]
         for s in made:
             s.close()

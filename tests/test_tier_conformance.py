@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ from store_suite import LARGE, StoreSuite, assert_tensor_same, drop, sample_tens
 
 from yrcache import Tier, TieredStore  # noqa: E402
 from yrcache.store import key_bytes  # noqa: E402
+from procs import drop_failed_test_locals  # noqa: E402
 
 try:
     import torch
@@ -39,18 +39,6 @@ except ImportError:  # pragma: no cover
     torch = None
 
 gc.freeze()  # see test_store.py: keep the per-test gc.collect() cheap with torch loaded
-
-
-def _drop_failed_test_locals() -> None:
-    tb = getattr(sys, "last_traceback", None)
-    while tb is not None:
-        try:
-            tb.tb_frame.clear()
-        except RuntimeError:
-            pass
-        else:
-            tb.tb_frame.f_locals.clear()
-        tb = tb.tb_next
 
 
 def _is_tensor(v) -> bool:
@@ -101,7 +89,7 @@ def _factory(cls, store_name, extra):
         return s
 
     def finish():
-        _drop_failed_test_locals()
+        drop_failed_test_locals()
         names = [s.name for s in made]
         for s in made:
             s.close()

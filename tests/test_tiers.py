@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from yrcache import CorruptObjectError, StoreFullError, Tier, TieredStore
-from procs import finish, kill_all, seg_exists, start  # noqa: E402
+from procs import finish, kill_all, seg_exists, start, drop_failed_test_locals  # noqa: E402
 
 KB = 1024
 MB = 1024 * 1024
@@ -70,25 +70,10 @@ def payload_files(ssd) -> list[str]:
     return sorted(out)
 
 
-def _drop_failed_test_locals() -> None:
-    """A failed test's traceback keeps its locals (views, store handles) alive;
-    clear them so that a failure is not followed by a misleading "left shared
-    memory behind" error (as test_store.py does)."""
-    tb = getattr(sys, "last_traceback", None)
-    while tb is not None:
-        try:
-            tb.tb_frame.clear()
-        except RuntimeError:
-            pass
-        else:
-            tb.tb_frame.f_locals.clear()
-        tb = tb.tb_next
-
-
 @pytest.fixture
 def store_name(store_name):
     yield store_name
-    _drop_failed_test_locals()
+    drop_failed_test_locals()
 
 
 def dram_capacity(s) -> int:
