@@ -11,7 +11,9 @@ from .errors import (
     CorruptObjectError,
     StoreClosedError,
     StoreFullError,
+    StoreInUseError,
     StoreNotFoundError,
+    UntrustedStoreError,
     YrcacheError,
 )
 from .store import TieredStore, Tier, WriteMode
@@ -27,6 +29,8 @@ __all__ = [
     "StoreClosedError",
     "StoreNotFoundError",
     "CorruptObjectError",
+    "UntrustedStoreError",
+    "StoreInUseError",
     "ClusterUnavailableError",
     "AuthenticationError",
 ]

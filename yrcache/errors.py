@@ -26,6 +26,23 @@ class CorruptObjectError(YrcacheError, ValueError):
     """Stored bytes failed their checksum or could not be decoded."""
 
 
+class UntrustedStoreError(YrcacheError, PermissionError):
+    """A shared-memory segment or SSD directory is not ours alone.
+
+    It is owned by another user, or other users may write to it; yrcache
+    never maps, reads or unpickles such data.  The message names the path and
+    says how to fix it (remove it, or fix its owner and mode).
+    """
+
+
+class StoreInUseError(YrcacheError, RuntimeError):
+    """An SSD directory is already held by another live store.
+
+    Two stores over one ``ssd=`` directory would delete each other's
+    objects; use one directory per store, or attach to the store that holds it.
+    """
+
+
 class ClusterUnavailableError(YrcacheError, ConnectionError):
     """The cluster (etcd or enough peers) could not be reached."""
 
@@ -40,6 +57,8 @@ __all__ = [
     "StoreClosedError",
     "StoreNotFoundError",
     "CorruptObjectError",
+    "UntrustedStoreError",
+    "StoreInUseError",
     "ClusterUnavailableError",
     "AuthenticationError",
 ]
