@@ -283,7 +283,10 @@ def _attached_waits(name, inherited, attached, go, mode):
     return seg_exists(name)
 
 
-def test_owner_close_waits_for_attached_child(mp_context, make_store, store_name):
+def test_owner_close_unlinks_while_a_child_is_attached(mp_context, make_store, store_name):
+    """The ownership rule (docs/architecture.md, "Ownership and lifetime"): the
+    owner's close removes the name at once; an attached child keeps working on
+    its mapping, and new attaches fail."""
     s = make_store()
     s["x"] = b"owner data"
     attached, go = mp_context.Event(), mp_context.Event()
@@ -292,13 +295,13 @@ def test_owner_close_waits_for_attached_child(mp_context, make_store, store_name
         assert attached.wait(30)
         s.close()
         assert s.closed
-        # An attached process keeps the segment alive.
-        assert seg_exists(store_name)
+        assert not seg_exists(store_name)
+        with pytest.raises(StoreNotFoundError):
+            TieredStore.attach(store_name)
         go.set()
-        still_there = finish(p, q)
+        still_there = finish(p, q)     # the child read, wrote and checked its mapping
     finally:
         kill_all([p])
-    # The last one out (the child, after the owner closed) unlinks it.
     assert not still_there
     assert not seg_exists(store_name)
 
@@ -384,16 +387,15 @@ def test_view_outlives_close_in_process(make_store, store_name):
     s["a"] = np.arange(1000, dtype=np.int64)
     v = s["a"]
     s.close()
-    assert seg_exists(store_name), "a live view must keep the segment"
+    # The owner's close removes the name; the view keeps the mapping.
+    assert not seg_exists(store_name)
     np.testing.assert_array_equal(v, np.arange(1000))
     w = v[10:20]      # a derived view keeps the pin too
     del v
     gc.collect()
-    assert seg_exists(store_name)
     assert w.sum() == sum(range(10, 20))
     del w
     gc.collect()
-    assert not seg_exists(store_name)
 
 
 def _view_outlives_close(name, inherited, closed, go):
@@ -403,9 +405,9 @@ def _view_outlives_close(name, inherited, closed, go):
     s.close()
     closed.set()
     assert go.wait(30)
-    # Owner and our own handle are closed; the view still reads the data.
+    # Owner and our own handle are closed, the name is gone; the view still reads the data.
+    assert not seg_exists(name)
     np.testing.assert_array_equal(v, np.arange(1000))
-    assert seg_exists(name), "our view must keep the segment"
     del v
     gc.collect()
     return seg_exists(name)
@@ -419,13 +421,12 @@ def test_view_outlives_close_in_child(mp_context, make_store, store_name):
     try:
         assert closed.wait(30)
         s.close()
-        assert seg_exists(store_name)
+        assert not seg_exists(store_name)
         go.set()
         still_there = finish(p, q)
     finally:
         kill_all([p])
-    assert not still_there, "dropping the last view after every close must unlink the segment"
-    assert not seg_exists(store_name)
+    assert not still_there
 
 
 def _attach_close_exit(name, attached, go):

@@ -42,6 +42,9 @@ class HbmOwner:
         nbytes = value.numel() * value.element_size()
         if nbytes > hbm.capacity:
             return False
+        self.mover.drain()
+        if not hbm.fits(nbytes):
+            self.mover.reclaim_expired()   # expired tensors still hold device memory
         need = self.policy.bytes_to_free(hbm.used, hbm.capacity, nbytes)
         if need:
             self.mover.demote_hbm(need)
@@ -57,9 +60,8 @@ class HbmOwner:
                                     priority, expire_at, TIER_HBM, a.slot, 0, 0, poff)
             if off > 0:
                 shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
-                if not (retired.existed and retired.tier == TIER_HBM and retired.owner == a.slot):
-                    self.mover.forget(key, retired)
                 hbm.store(key, t, meta, retired.new_seq, priority)
+                self.mover.drain()   # what the put replaced, in whatever tier
                 return True
             if attempt or not self.mover.demote(4096):
                 break
@@ -125,3 +127,4 @@ class HbmOwner:
                         self.mover.demote_hbm_one(key, stubs[key])
         finally:
             self.tier.clear()
+            self.a = None

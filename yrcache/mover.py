@@ -20,12 +20,13 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
 from ._arena import ffi, lib
-from .errors import StoreFullError
+from .errors import CorruptObjectError, StoreClosedError, StoreFullError
 from .policy import Candidate, Policy
 from .tiers import shm
 
@@ -142,12 +143,64 @@ class Mover:
     """Spills, promotions and evictions for one store handle."""
 
     def __init__(self, arena: shm.Arena, disk, policy: Policy, cache: bool, hbm=None):
-        self.a = arena
+        self._arena: shm.Arena | None = arena
         self.disk = disk          # DiskTier or None
         self.policy = policy
         self.cache = cache        # may drop cold objects when nothing else helps
         self.hbm = hbm            # DeviceTier of this process, or None
         self.unlinker = Unlinker()
+        self._drain_bufs = None
+
+    @property
+    def a(self) -> shm.Arena:
+        a = self._arena
+        if a is None:
+            raise StoreClosedError("the store was closed while this operation ran; attach again")
+        return a
+
+    # ------------------------------------------------------ retire channel
+
+    def drain(self, wake_others: bool = True) -> int:
+        """Free the lower-tier bytes of stubs that left the arena's index.
+
+        Every retirement of an SSD or HBM object (overwrite, delete, eviction,
+        expiry found anywhere, even inside the C core) puts its stub on the
+        arena's retire list; this takes the entries this process can serve
+        (SSD copies; its own device tensors), frees their bytes and the
+        stubs.  O(1) when nothing is pending.  Returns how many were freed.
+        """
+        a = self.a
+        if not lib.yr_retired_pending(a.base):
+            return 0
+        tiers = (1 << TIER_SSD if self.disk is not None else 0) | (1 << TIER_HBM if self.hbm is not None else 0)
+        if self._drain_bufs is None:
+            self._drain_bufs = (ffi.new("yr_scanrec[]", 256), ffi.new("char[]", 256 * 1024))
+        recs, keys = self._drain_bufs
+        done = 0
+        while True:
+            n = shm.check(lib.yr_drain_retired(a.base, a.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
+            raw = ffi.buffer(keys, 256 * 1024)
+            for i in range(n):
+                r = recs[i]
+                key = raw[r.key_pos:r.key_pos + r.klen].decode()
+                if r.tier == TIER_SSD:
+                    self.disk.delete(disk_key(r.gen, key))
+                else:
+                    self.hbm.drop(key, r.seq)
+            done += n
+            if n < 256:
+                break
+        if wake_others and lib.yr_retired_pending(a.base):
+            a.notify_wake(HBM_REQ)   # device tensors of other processes: their owners drop them
+        return done
+
+    def reclaim_expired(self) -> None:
+        """Retire expired objects now, in every tier (before concluding a tier is full)."""
+        a = self.a
+        lib.yr_expire(a.base, time.time())
+        self.drain()
+        if self.disk is not None:
+            self.disk.purge_expired()
 
     # --------------------------------------------------------------- demote
 
@@ -161,6 +214,7 @@ class Mover:
         unless ``evict``)."""
         if self.disk is None and not self.cache:
             return
+        self.drain()
         st = ffi.new("yr_stats *")
         lib.yr_get_stats(self.a.base, st)
         need = self.policy.bytes_to_free(st.used, st.capacity, incoming)
@@ -184,6 +238,7 @@ class Mover:
         """
         if self.disk is None and not self.cache:
             return
+        self.drain()
         cands = [c for c in self.candidates() if max_priority is None or c.priority <= max_priority]
         for c in self.policy.victims(cands, need if need is not None else sum(x.block_size for x in cands)):
             got = 0
@@ -214,8 +269,11 @@ class Mover:
                 self.evict_from_ssd(self.disk.used + info.nbytes - self.disk.capacity)
             gen = new_gen()
             dk = disk_key(gen, c.key)
-            self.disk.put(dk, meta, src, priority=int(info.priority),
-                          expire_at=info.expire_at or None)
+            try:
+                self.disk.put(dk, meta, src, priority=int(info.priority), expire_at=info.expire_at or None)
+            except StoreFullError:
+                self.reclaim_expired()    # expired objects still hold SSD room
+                self.disk.put(dk, meta, src, priority=int(info.priority), expire_at=info.expire_at or None)
             if not self._commit_stub(kb, meta, info, gen, TIER_SSD, expected=c.seq):
                 self.disk.delete(dk)
                 return 0
@@ -243,7 +301,7 @@ class Mover:
         kb = c.key.encode()
         if lib.yr_delete_ex(self.a.base, kb, len(kb), c.seq, retired) != 0:
             return 0
-        self.forget(c.key, retired)
+        self.drain()
         lib.yr_count(self.a.base, C_EVICTIONS, 1)
         return c.block_size
 
@@ -255,18 +313,6 @@ class Mover:
         for c in self.policy.victims(cands, need):
             freed += self.evict(c)
         return freed
-
-    def forget(self, key: str, retired) -> None:
-        """A replaced or deleted object was a stub: free its disk copy or device tensor."""
-        if not retired.existed:
-            return
-        if retired.tier == TIER_SSD and self.disk is not None:
-            self.disk.delete(disk_key(retired.gen, key))
-        elif retired.tier == TIER_HBM:
-            if self.hbm is not None and retired.owner == self.a.slot:
-                self.hbm.drop(key, retired.seq)
-            else:
-                self.a.notify_wake(HBM_REQ)   # the owner drops tensors whose stub is gone
 
     # ------------------------------------------------------------------ HBM
 
@@ -342,13 +388,10 @@ class Mover:
         return nbytes
 
     def serve_hbm(self) -> bool:
-        """Demote the tensors other processes asked for; drop those whose stub is gone."""
-        stubs = self.hbm_stubs()
-        for key, obj in self.hbm.items():
-            rec = stubs.get(key)
-            if rec is None or rec.seq != obj.seq:
-                self.hbm.drop(key, obj.seq)
-            elif rec.gen == WANTED:
+        """Drop the device tensors whose stubs retired; demote those other processes asked for."""
+        self.drain(wake_others=False)
+        for key, rec in self.hbm_stubs().items():
+            if rec.gen == WANTED:
                 self.demote_hbm_one(key, rec)
         return True
 
@@ -359,8 +402,20 @@ class Mover:
         buf = np.empty(info.nbytes, dtype=np.uint8)   # not zero-filled: readinto overwrites it
         try:
             return self.disk.read_into(disk_key(info.gen, key), buf), buf
-        except (KeyError, ValueError):   # gone, or replaced by another size: look again
+        except (KeyError, ValueError):   # gone, or replaced by another size: look again...
+            if self.stub_unchanged(key, info.seq):   # ...unless nothing moved: the copy is lost
+                raise CorruptObjectError(
+                    f"{key_repr(key.encode())} is on SSD according to the store's index, but its disk "
+                    f"copy {disk_key(info.gen, key)!r} is missing from {self.disk.path}; delete the "
+                    "key and write it again") from None
             return None
+
+    def stub_unchanged(self, key: str, seq: int) -> bool:
+        """Is ``key`` still the object ``seq`` (a look that counts as no read)?"""
+        a = self.a
+        kb = key.encode()
+        info = ffi.new("yr_objinfo *")
+        return lib.yr_get(a.base, a.slot, kb, len(kb), 2, info) == 0 and info.seq == seq
 
     def promote(self, key: str, info, meta: bytes) -> bool:
         """Bring an SSD object into DRAM (one ``readinto`` into the arena block).
@@ -397,11 +452,19 @@ class Mover:
         return True
 
     def flush(self) -> None:
-        """Wait for files whose removal was deferred."""
+        """Free retired lower-tier bytes; wait for files whose removal was deferred."""
+        self.drain()
         self.unlinker.join()
 
     def close(self) -> None:
-        self.unlinker.join()
+        """Finish deferred work and let go of the arena (operations still
+        running in other threads then raise StoreClosedError)."""
+        try:
+            if self._arena is not None:
+                self.drain()
+        finally:
+            self.unlinker.join()
+            self._arena = None
 
     # ------------------------------------------------------------- restarts
 

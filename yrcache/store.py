@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import operator
 import os
 import shutil
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -25,7 +27,7 @@ import json
 
 from . import codec
 from ._arena import ffi, lib
-from .errors import StoreClosedError, StoreFullError, YrcacheError
+from .errors import StoreClosedError, StoreFullError, UntrustedStoreError, YrcacheError
 from .mover import ANY_SEQ, TIER_DRAM, TIER_HBM, TIER_SSD, Mover, scan
 
 if TYPE_CHECKING:
@@ -97,9 +99,11 @@ class TieredStore(MutableMapping):
                  capacity: int | str | None = None, ratios: tuple[float, float, float] | None = None,
                  policy: str = "spill", pickle: bool = False, prefault: bool = True,
                  watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
+                 persist: bool | None = None,
                  cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
                  write_mode: WriteMode | str | None = None, _attach: bool = False):
         self._arena: shm.Arena | None = None
+        self._mover: Mover | None = None
         self._disk = None
         if cluster is not None or (os.environ.get("YRCACHE_ETCD") and not _attach):
             raise NotImplementedError(
@@ -148,7 +152,8 @@ class TieredStore(MutableMapping):
         high, low = (float(w) for w in watermarks)
         config = {"ssd": os.path.abspath(os.fspath(ssd)) if ssd is not None else None,
                   "ssd_size": ssd_b, "policy": policy, "high": high, "low": low,
-                  "promote_after": int(promote_after), "hbm": hbm_b or 0}
+                  "promote_after": int(promote_after), "hbm": hbm_b or 0,
+                  "persist": bool(persist), "id": uuid.uuid4().hex}
         Policy(high, low, int(promote_after))  # validates before anything is created
         if device is not None and not hbm_b:
             raise ValueError("device= places the HBM tier: give it a size with hbm= (or capacity= and ratios=)")
@@ -161,13 +166,19 @@ class TieredStore(MutableMapping):
         arena = shm.Arena(self.name, create=True, size=dram_b, prefault=prefault)
         adopted = not arena.created
         if adopted:
-            arena = self._adopt(arena)
+            explicit = dram is not None or cap_b is not None or os.environ.get("YRCACHE_DRAM")
+            arena = self._adopt(arena, dram_b if explicit else None)
         self._arena = arena
         try:
             if adopted:
-                config = self._read_config() or config
+                old = self._read_config() or {}
+                if persist is not None:   # an explicit choice overrides the recorded one
+                    old["persist"] = bool(persist)
+                    self._write_config(old)
+                config = old or config
             else:
                 self._write_config(config)
+            arena.persist = bool(config.get("persist"))
             self._configure(config)
             if device_tier is not None:
                 from .hbm import HbmOwner
@@ -179,7 +190,11 @@ class TieredStore(MutableMapping):
             elif self._disk is not None and len(arena.attached()) == 1:
                 self._mover.vacuum()           # adopted, nobody else moving: drop stray copies
         except BaseException:
-            self.destroy()
+            if adopted:   # the segment holds someone's data: leave it for a later adoption
+                arena.is_owner = False
+                self.close()
+            else:
+                self.destroy()
             raise
 
     def _configure(self, config: dict | None) -> None:
@@ -188,9 +203,10 @@ class TieredStore(MutableMapping):
         if config.get("ssd"):
             from .tiers.disk import DiskTier
 
-            self._disk = DiskTier(config["ssd"], config.get("ssd_size"))
+            self._disk = DiskTier(config["ssd"], config.get("ssd_size"))  # TEMP until owner= lands
         self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache")
         self._config = config
+        self._dram_capacity = self._raw_stats().capacity
 
     def _ensure_cuda_pinned(self) -> None:
         """Register the arena as pinned host memory (once per process and mapping).
@@ -229,7 +245,7 @@ class TieredStore(MutableMapping):
         data = ffi.string(lib.yr_config_area(self._arena.base, n), n[0])
         return json.loads(data) if data else None
 
-    def _adopt(self, arena: shm.Arena) -> shm.Arena:
+    def _adopt(self, arena: shm.Arena, asked: int | None) -> shm.Arena:
         """Take over an existing segment whose owner is gone; refuse a live one."""
         owners = [pid for slot, pid, owner in arena.attached() if owner and slot != arena.slot]
         if owners:
@@ -239,11 +255,20 @@ class TieredStore(MutableMapping):
                 f"use TieredStore.attach({self.name!r}) to share it, or pick another name"
             )
         arena.take_ownership()
+        if asked is not None and asked != arena.size:
+            warnings.warn(
+                f"store {self.name!r} already exists (its owner died) and was adopted with its own "
+                f"size, {format_size(arena.size)}, not the {format_size(asked)} asked for; "
+                f"to resize it, copy what you need, then destroy it (`yrcache destroy {self.name}`) "
+                "and create it again", UserWarning, stacklevel=3)
         return arena
 
     @classmethod
     def attach(cls, name: str, *, pickle: bool = False, prefault: bool = False) -> "TieredStore":
         """Attach to the store ``name`` created by another process on this node.
+
+        ``pickle=True`` lets this handle read (unpickle) objects stored with
+        ``pickle=True``: only for stores whose every writer you trust.
 
         ``prefault=True`` maps every page of the arena now (about 0.14 s per
         GiB) instead of on first touch (about 1 us per 4 KiB page): worth it
@@ -270,13 +295,19 @@ class TieredStore(MutableMapping):
 
     def _full_error(self, nbytes: int) -> StoreFullError:
         st = self._raw_stats()
+        dram = (f"{format_size(st.used)} of {format_size(st.capacity)} DRAM used "
+                f"(largest free block {format_size(st.largest_free)}, "
+                f"{format_size(st.pinned_bytes)} pinned by live views)")
+        if self._disk is None:
+            return StoreFullError(
+                f"store {self.name!r} is full: cannot place {format_size(nbytes)}; {dram}, no SSD tier "
+                "configured; delete keys, release views, or create the store with a larger dram= "
+                "(or an SSD tier with ssd=)")
+        d = self._disk
         return StoreFullError(
-            f"store {self.name!r} is full: cannot place {format_size(nbytes)}; "
-            f"{format_size(st.used)} of {format_size(st.capacity)} DRAM used "
-            f"(largest free block {format_size(st.largest_free)}, "
-            f"{format_size(st.pinned_bytes)} pinned by live views), no SSD tier configured; "
-            "delete keys, release views, or create the store with a larger dram="
-        )
+            f"store {self.name!r} is full: cannot place {format_size(nbytes)}; {dram}, and the SSD "
+            f"tier at {d.path} holds {format_size(d.used)} of its {format_size(d.capacity)}; "
+            "delete keys, release views, or raise dram= or ssd_size=")
 
     def _raw_stats(self):
         out = ffi.new("yr_stats *")
@@ -313,15 +344,16 @@ class TieredStore(MutableMapping):
         a = self._a
         kb = key_bytes(key)
         if tier is None and ttl is None and write_mode is None and self._hbm is None \
-                and type(value) in _PLAIN_TYPES and type(priority) is int:
+                and type(value) in _PLAIN_TYPES and priority == 0 and type(priority) is int:
             # The common case, kept short: a host value into DRAM.
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            return self._put_encoded(a, kb, meta, payload, nbytes, priority, 0.0)
+            return self._put_encoded(a, kb, meta, payload, nbytes, 0, 0.0)
+        priority = _priority(priority)
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         if self._hbm is not None and self._hbm.takes(value, tier):
-            if self._hbm.put(kb, value, int(priority), expire_at):
+            if self._hbm.put(kb, value, priority, expire_at):
                 return
         elif tier == Tier.HBM:
             raise TypeError(f"the HBM tier holds torch tensors, not {type(value).__name__}")
@@ -331,20 +363,23 @@ class TieredStore(MutableMapping):
             t = value.detach().contiguous()
             nbytes = t.numel() * t.element_size()
             self._put_encoded(a, kb, codec.tensor_meta(t.dtype, t.shape), _device_filler(t), nbytes,
-                              int(priority), expire_at, tier)
+                              priority, expire_at, tier)
             return
         meta, payload, nbytes = codec.encode(value, self._pickle)
-        self._put_encoded(a, kb, meta, payload, nbytes, int(priority), expire_at, tier)
+        self._put_encoded(a, kb, meta, payload, nbytes, priority, expire_at, tier)
 
     def _put_encoded(self, a: shm.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int,
                      priority: int, expire_at: float, tier: Tier | None = None) -> None:
         """Place one encoded object: DRAM unless told or forced otherwise.
 
-        ``payload`` is a buffer, or a callable that fills the arena block.
+        A new object goes to DRAM and, past the high watermark, the coldest
+        objects move down to make room; only an object larger than the whole
+        DRAM tier (or one DRAM cannot hold even after demoting everything
+        movable) goes to SSD.  ``payload`` is a buffer, or a callable that
+        fills the arena block.
         """
         block = nbytes + len(kb) + len(meta) + 256
-        if tier == Tier.SSD or (self._disk is not None and block > a.size // 2
-                                and block > self._raw_stats().largest_free):
+        if tier == Tier.SSD or (self._disk is not None and block > self._dram_capacity):
             return self._put_ssd(a, kb, meta, payload, nbytes, priority, expire_at)
         if self._disk is not None or self._hbm is not None or self._mover.cache:
             self._mover.make_room(block)
@@ -366,7 +401,7 @@ class TieredStore(MutableMapping):
                         break
         if rc == 0:
             if retired.existed and retired.tier != TIER_DRAM:
-                self._mover.forget(kb.decode(), retired)
+                self._mover.drain()     # free the replaced object's bytes in its tier
             return
         if rc not in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
             shm.check(rc, f"put of {kb[:60]!r}")
@@ -399,7 +434,11 @@ class TieredStore(MutableMapping):
 
         gen = new_gen()
         key = kb.decode()
-        self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
+        try:
+            self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
+        except StoreFullError:
+            self._mover.reclaim_expired()    # expired objects may still hold SSD room
+            self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
         stub = ffi.new("yr_objinfo *")
         stub.nbytes, stub.priority, stub.expire_at = nbytes, priority, expire_at
         retired = ffi.new("yr_retired *")
@@ -409,7 +448,7 @@ class TieredStore(MutableMapping):
                                     priority, expire_at, TIER_SSD, 0, gen, 0, poff)
             if off > 0:
                 shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
-                self._mover.forget(key, retired)
+                self._mover.drain()
                 return
             if not attempt:
                 self._mover.demote(4096)
@@ -439,7 +478,7 @@ class TieredStore(MutableMapping):
         """
         a = self._a
         kb = key_bytes(key)
-        self._put_encoded(a, kb, meta, fill, int(nbytes), int(priority), _expire_at(ttl))
+        self._put_encoded(a, kb, meta, fill, int(nbytes), _priority(priority), _expire_at(ttl))
 
     def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
@@ -453,7 +492,7 @@ class TieredStore(MutableMapping):
         tier = self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
-        priority = int(priority)
+        priority = _priority(priority)
         pairs = list(items.items() if isinstance(items, dict) else items)
         for k, _ in pairs:
             key_bytes(k)            # validate every key before storing anything
@@ -481,8 +520,8 @@ class TieredStore(MutableMapping):
             b"".join(e[1] for e in batch), [len(e[1]) for e in batch], keep,
             [e[3] for e in batch], n, priority, expire_at, retired)
         shm.check(done, "mset")
-        for i in range(done):
-            self._mover.forget(batch[i][0].decode(), retired[i])
+        if any(retired[i].existed and retired[i].tier != TIER_DRAM for i in range(done)):
+            self._mover.drain()
         return done
 
     def __setitem__(self, key: str, value: Any) -> None:
@@ -493,6 +532,9 @@ class TieredStore(MutableMapping):
     def _view(self, a: shm.Arena, info, key: str | None = None) -> Any:
         """Build the value for a pinned lookup result (consumes the pin)."""
         meta = ffi.buffer(a.cbase + info.meta_off, info.meta_len)[:]
+        if meta[:1] == b"P" and not self._pickle:
+            a.unpin(info.pin)
+            raise self._no_pickle(key)
         dec = codec.decoder(meta)
         if info.tier == TIER_HBM:
             a.unpin(info.pin)
@@ -534,7 +576,16 @@ class TieredStore(MutableMapping):
         if got is None:
             return _RETRY       # it moved or changed while we looked: look again
         meta, buf = got
+        if meta[:1] == b"P" and not self._pickle:
+            raise self._no_pickle(key)
         return codec.decoder(meta)(buf, len(buf))
+
+    def _no_pickle(self, key: str | None) -> UntrustedStoreError:
+        return UntrustedStoreError(
+            f"{key!r} holds a pickled object, and this handle of store {self.name!r} was opened "
+            "without pickle=True; unpickling runs code chosen by whoever wrote it, so open the "
+            "store with pickle=True (TieredStore(..., pickle=True) or TieredStore.attach(name, "
+            "pickle=True)) only if you trust every process that writes to it")
 
     def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
         """The value of ``key`` as a read-only zero-copy view, or ``default``.
@@ -671,7 +722,8 @@ class TieredStore(MutableMapping):
         kb = key_bytes(key)
         retired = ffi.new("yr_retired *")
         rc = lib.yr_delete_ex(self._a.base, kb, len(kb), ANY_SEQ, retired)
-        self._mover.forget(key, retired)
+        if retired.existed and retired.tier != TIER_DRAM:
+            self._mover.drain()
         return rc == 0
 
     def __delitem__(self, key: str) -> None:
@@ -691,7 +743,7 @@ class TieredStore(MutableMapping):
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, not {type(prefix).__name__}")
         pb = prefix.encode() if prefix else b""
-        return _iter_keys(a, pb)
+        return _iter_keys(self, a, pb)
 
     def __iter__(self) -> Iterator[str]:
         return self.keys()
@@ -744,30 +796,42 @@ class TieredStore(MutableMapping):
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` (or ``destroy()``) was called on this handle."""
         return self._closed or self._arena is None
 
     def close(self) -> None:
-        """Release this handle.  The owner's close unlinks the segment once no
-        other process is attached; an attached process only detaches.  Views
-        already returned stay valid."""
-        if self._arena is not None and not self._closed:
+        """Release this handle.  The owner's close removes the store's name
+        (unless it was created with ``persist=True``): processes still
+        attached keep working on their mappings, new attaches fail.  An
+        attached process's close only detaches.  Views already returned stay
+        valid; operations still running in other threads finish, later ones
+        raise ``StoreClosedError``."""
+        arena = self._arena
+        if arena is None or self._closed:
+            return
+        self._closed = True
+        self._ident = arena._ident
+        try:
             if self._hbm is not None:
                 _hbm_stores.pop(id(self), None)
                 self._hbm.close()
-            self._closed = True
-            mover = getattr(self, "_mover", None)   # None when the constructor failed early
-            if mover is not None:
-                mover.close()
+            if self._mover is not None:      # None when the constructor failed early
+                self._mover.close()
             if self._disk is not None:
                 self._disk.close()
-            self._arena.release_handle()
+        finally:
+            self._arena = None
+            # The mapping goes once no view or running operation needs it.
+            arena.release_handle()
 
     def destroy(self) -> None:
-        """Unlink the store now, whoever is attached (their mappings stay valid)."""
+        """Remove the store now, whoever is attached (their mappings stay valid)."""
         a = self._arena
         if a is not None:
             a.unlink()
-        self.close()
+            self.close()
+        elif getattr(self, "_ident", None) is not None:
+            shm.unlink_if(self.name, self._ident)
 
     def __enter__(self) -> "TieredStore":
         self._check_open()
@@ -796,10 +860,48 @@ class TieredStore(MutableMapping):
             self.delete(k)
 
     def check(self) -> None:
-        """Verify the arena's internal invariants (for tests and `yrcache stat`)."""
+        """Verify the store's invariants; raise ``YrcacheError`` naming the first broken one.
+
+        The arena's own (heap, index, pins, counts), then across tiers: every
+        SSD payload has a live stub and every SSD stub a payload; every
+        device tensor of this process a live stub of the same object; and each
+        lower tier's ``used`` equals the sum of what it holds.  O(objects);
+        meant for tests and ``yrcache stat``, on a store nobody is writing.
+        """
+        a = self._a
         msg = ffi.new("char[256]")
-        if lib.yr_check_invariants(self._a.base, msg, 256) != 0:
+        if lib.yr_check_invariants(a.base, msg, 256) != 0:
             raise YrcacheError(f"arena invariant violated: {ffi.string(msg).decode()}")
+        if not self._multi_tier:
+            return
+        lib.yr_expire(a.base, time.time())
+        self._mover.drain()
+        soon = time.time() + 1.0     # objects about to expire may be gone from one tier already
+        stubs = [(r, k) for r, k in scan(a) if r.tier != TIER_DRAM]
+        if self._disk is not None:
+            from .mover import disk_key
+
+            on_disk = {e.key: e.nbytes for e in self._disk.entries()}
+            want = {disk_key(r.gen, k): r for r, k in stubs if r.tier == TIER_SSD}
+            for dk, r in want.items():
+                if dk not in on_disk and not (r.expire_at and r.expire_at <= soon):
+                    raise YrcacheError(f"SSD stub {dk!r} has no payload in {self._disk.path}")
+            stray = [dk for dk, _ in on_disk.items() if dk not in want]
+            if stray:
+                raise YrcacheError(f"SSD payloads with no stub in the index: {stray[:5]}")
+            if self._disk.used != sum(on_disk.values()):
+                raise YrcacheError(f"SSD tier used {self._disk.used} != {sum(on_disk.values())} held")
+        if self._hbm is not None:
+            dev = self._hbm.tier
+            mine = {k: r for r, k in stubs if r.tier == TIER_HBM and r.owner == a.slot}
+            held = dev.items()
+            for k, obj in held:
+                r = mine.get(k)
+                if r is None or r.seq != obj.seq:
+                    raise YrcacheError(f"device tensor {k!r} (object {obj.seq}) has no live stub")
+            total = sum(o.tensor.numel() * o.tensor.element_size() for _, o in held)
+            if dev.used != total:
+                raise YrcacheError(f"HBM tier used {dev.used} != {total} held")
 
 
 _hbm_stores: dict[int, "weakref.ref[TieredStore]"] = {}   # stores are unhashable (Mapping)
@@ -820,10 +922,11 @@ def _attach_by_name(name: str, pickle: bool) -> TieredStore:
     return TieredStore.attach(name, pickle=pickle)
 
 
-def _iter_keys(a: shm.Arena, prefix: bytes) -> Iterator[str]:
+def _iter_keys(store: TieredStore, a: shm.Arena, prefix: bytes) -> Iterator[str]:
     cursor = ffi.new("uint64_t *", 0)
     size = 1 << 16
     while True:
+        store._check_open()   # the iterator keeps the mapping, not the store, open
         buf = ffi.new("char[]", size)
         n = lib.yr_keys(a.base, cursor, buf, size, prefix, len(prefix))
         if n < -1000:  # one bucket needs a bigger buffer
@@ -919,6 +1022,20 @@ def _check_ratios(ratios) -> tuple[float, float, float]:
     if len(r) != 3 or any(x < 0 for x in r) or abs(sum(r) - 1.0) > 1e-6:
         raise ValueError(f"ratios must be three non-negative shares (hbm, dram, ssd) summing to 1, got {ratios!r}")
     return r  # type: ignore[return-value]
+
+
+_I64 = 1 << 63
+
+
+def _priority(priority: Any) -> int:
+    """Validate ``priority=``: an int that fits in 64 bits (numpy ints too, not bools or floats)."""
+    if type(priority) is not int:
+        if isinstance(priority, bool) or not hasattr(priority, "__index__"):
+            raise TypeError(f"priority must be an int, not {type(priority).__name__} {priority!r}")
+        priority = operator.index(priority)
+    if not -_I64 <= priority < _I64:
+        raise ValueError(f"priority must fit in 64 bits (-2**63 <= priority < 2**63), got {priority}")
+    return priority
 
 
 def _expire_at(ttl: float | None) -> float:

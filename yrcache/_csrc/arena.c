@@ -15,6 +15,7 @@
  * accounting) from the blocks alone: see recover_locked(). */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -29,7 +30,7 @@
 #include "arena.h"
 
 #define MAGIC       0x3145484341435259ULL /* "YRCACHE1" little endian */
-#define LAYOUT      1
+#define LAYOUT      2
 #define ALIGN       64
 #define BLK_HDR     128
 #define MIN_BLOCK   128
@@ -38,11 +39,19 @@
 #define NUSER       16
 #define SCAN_LIMIT  64
 #define SMALL_BLOCK 4096
+#define PIN_PAGE    4096u   /* pin records per page grown from the heap */
+#define MAX_PIN_PAGES 1024
+#define MAX_PROCS   (1u << 16)
+#define MAX_STATIC_PINS (1u << 24)
 
 #define TIER_DRAM 1
 #define TIER_HBM  3
 
-enum { ST_FREE = 0x0F, ST_RESERVED = 0x1E, ST_LIVE = 0x2D, ST_ORPHAN = 0x3C };
+/* RETIRED: a stub taken out of the index whose bytes live in a lower tier;
+ * it waits on the retire list until a process frees those bytes (the disk
+ * copy, the device tensor).  PINPAGE: a page of pin records. */
+enum { ST_FREE = 0x0F, ST_RESERVED = 0x1E, ST_LIVE = 0x2D, ST_ORPHAN = 0x3C,
+       ST_RETIRED = 0x4B, ST_PINPAGE = 0x5A };
 enum { C_HITS, C_MISSES, C_PUTS, C_DELETES, C_SPILLS, C_PROMOTIONS, C_EVICTIONS,
        C_RECOVERIES, C_NCOUNTERS = 16 };
 
@@ -94,7 +103,10 @@ typedef struct {
     uint64_t freehead[NCLASSES];
     uint64_t free_bitmap;
     uint32_t pin_free;    /* head of the free pin stack, 0 when empty */
-    uint32_t pad0;
+    uint32_t npages;      /* pin pages grown from the heap */
+    uint64_t pin_pages[MAX_PIN_PAGES];
+    uint64_t retired_head;  /* list of ST_RETIRED blocks, linked by next */
+    uint64_t retired_count;
     uint32_t notify[NNOTIFY];
     uint64_t user[NUSER];
     char     config[4096];  /* the creator's settings (JSON), read by attachers */
@@ -109,6 +121,7 @@ _Static_assert(sizeof(blk_t) == BLK_HDR, "block header must be 128 bytes");
 #define BUCKETS(h)     ((uint64_t *)((char *)(h) + (h)->buckets_off))
 #define PROCS(h)       ((proc_t *)((char *)(h) + (h)->procs_off))
 #define PINS(h)        ((pin_t *)((char *)(h) + (h)->pins_off))
+#define TIER_OF(b)     ((uint32_t)(b)->aux[0])
 #define KEY(b)         ((char *)(b) + BLK_HDR)
 /* Keys starting with NUL are the store's own (configuration): no public key
  * can collide with them, and they stay out of counts, scans and key lists. */
@@ -309,7 +322,23 @@ static uint64_t *find_slot(hdr_t *h, uint64_t hash, const char *k, uint32_t n) {
 
 static void unpin_locked(hdr_t *h, uint32_t pin);
 
-/* Take a live block out of the index; free it unless a view still pins it. */
+/* A block leaves the index for good.  A DRAM object's block is free; a stub's
+ * bytes live in a lower tier, so the stub goes on the retire list, whence a
+ * process that holds that tier frees the bytes (yr_drain_retired).  So no
+ * retirement, not even an expiry found inside a lookup, loses track of them. */
+static void dispose_locked(hdr_t *h, uint64_t off) {
+    blk_t *b = AT(h, off);
+    if (TIER_OF(b) != TIER_DRAM && !INTERNAL(b)) {
+        b->state = ST_RETIRED;
+        b->next = h->retired_head;
+        h->retired_head = off;
+        h->retired_count++;
+    } else {
+        free_block(h, off);
+    }
+}
+
+/* Take a live block out of the index; dispose of it unless a view pins it. */
 static void retire_locked(hdr_t *h, uint64_t *slot) {
     uint64_t off = *slot;
     blk_t *b = AT(h, off);
@@ -321,7 +350,7 @@ static void retire_locked(hdr_t *h, uint64_t *slot) {
         b->state = ST_ORPHAN;
         h->orphans++;
     } else {
-        free_block(h, off);
+        dispose_locked(h, off);
     }
 }
 
@@ -331,10 +360,46 @@ static inline int expired(blk_t *b, double now) {
 
 /* ----------------------------------------------------------------- pins */
 
+/* Pin records 1..npins-1 sit in the table laid out at init; more are grown
+ * in pages from the heap when it runs out, so a fork that re-pins every live
+ * view of its parent (or a reader holding many views) does not fail while
+ * the heap has room. */
+static inline uint32_t total_pins(hdr_t *h) { return h->npins + h->npages * PIN_PAGE; }
+
+static inline pin_t *PIN(hdr_t *h, uint32_t p) {
+    if (p < h->npins) return &PINS(h)[p];
+    uint32_t q = p - h->npins;
+    return (pin_t *)((char *)h + h->pin_pages[q / PIN_PAGE] + BLK_HDR) + q % PIN_PAGE;
+}
+
+static int grow_pins_locked(hdr_t *h) {
+    if (h->npages >= MAX_PIN_PAGES) return 0;
+    uint64_t off = alloc_block(h, BLK_HDR + (uint64_t)PIN_PAGE * sizeof(pin_t));
+    if (!off) return 0;
+    blk_t *b = AT(h, off);
+    uint64_t size = b->size, prev_size = b->prev_size;
+    memset(b, 0, BLK_HDR);
+    b->size = size;
+    b->prev_size = prev_size;
+    pin_t *pg = (pin_t *)((char *)b + BLK_HDR);
+    memset(pg, 0, (uint64_t)PIN_PAGE * sizeof(pin_t));
+    /* Marked first, registered last: recovery frees a page that a death
+     * left marked but unregistered, and rebuilds the free stack anyway. */
+    b->state = ST_PINPAGE;
+    uint32_t first = total_pins(h);
+    h->pin_pages[h->npages] = off;
+    h->npages++;
+    for (uint32_t i = PIN_PAGE; i-- > 0;) {
+        pg[i].next_free = h->pin_free;
+        h->pin_free = first + i;
+    }
+    return 1;
+}
+
 static int pin_locked(hdr_t *h, uint32_t slot, uint64_t off) {
+    if (!h->pin_free && !grow_pins_locked(h)) return YR_ENOPINS;
     uint32_t p = h->pin_free;
-    if (!p) return YR_ENOPINS;
-    pin_t *pr = &PINS(h)[p];
+    pin_t *pr = PIN(h, p);
     h->pin_free = pr->next_free;
     pr->slot = slot;
     pr->next_free = 0;
@@ -346,7 +411,7 @@ static int pin_locked(hdr_t *h, uint32_t slot, uint64_t off) {
 }
 
 static void unpin_locked(hdr_t *h, uint32_t p) {
-    pin_t *pr = &PINS(h)[p];
+    pin_t *pr = PIN(h, p);
     uint64_t off = pr->block_off;
     if (!off) return;
     blk_t *b = AT(h, off);
@@ -358,7 +423,7 @@ static void unpin_locked(hdr_t *h, uint32_t p) {
         h->pinned_bytes -= b->size;
         if (b->state == ST_ORPHAN) {
             h->orphans--;
-            free_block(h, off);
+            dispose_locked(h, off);
         }
     }
 }
@@ -367,22 +432,30 @@ static void unpin_locked(hdr_t *h, uint32_t p) {
 
 uint64_t yr_arena_min_size(void) { return 1 << 20; }
 
+/* The region offsets follow from the counts: computed here at init, and
+ * again by yr_arena_check, which so refuses a header whose offsets a writer
+ * could have forged to point outside the mapping. */
+static void layout_regions(hdr_t *h) {
+    h->buckets_off = align_up(sizeof(hdr_t), ALIGN);
+    h->procs_off = align_up(h->buckets_off + h->nbuckets * 8, ALIGN);
+    h->pins_off = align_up(h->procs_off + (uint64_t)h->nprocs * sizeof(proc_t), ALIGN);
+    h->heap_off = align_up(h->pins_off + (uint64_t)h->npins * sizeof(pin_t), 4096);
+}
+
 int yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins) {
     hdr_t *h = H(base);
-    if (size < yr_arena_min_size() || nprocs < 2 || npins < 2) return YR_EBADARENA;
+    if (size < yr_arena_min_size() || nprocs < 2 || npins < 2 || nprocs > MAX_PROCS ||
+        npins > MAX_STATIC_PINS) return YR_EBADARENA;
     memset(h, 0, sizeof(hdr_t));
     uint64_t nb = 1024;
     while (nb < size / 8192 && nb < (1ULL << 30)) nb <<= 1;
     h->nbuckets = nb;
-    h->buckets_off = align_up(sizeof(hdr_t), ALIGN);
-    h->procs_off = align_up(h->buckets_off + nb * 8, ALIGN);
-    h->pins_off = align_up(h->procs_off + (uint64_t)nprocs * sizeof(proc_t), ALIGN);
-    h->heap_off = align_up(h->pins_off + (uint64_t)npins * sizeof(pin_t), 4096);
+    h->nprocs = nprocs;
+    h->npins = npins;
+    layout_regions(h);
     if (h->heap_off + 4 * MIN_BLOCK > size) return YR_EBADARENA;
     h->heap_size = (size - h->heap_off) & ~(uint64_t)(ALIGN - 1);
     h->size = size;
-    h->nprocs = nprocs;
-    h->npins = npins;
     memset(BUCKETS(h), 0, nb * 8);
     memset(PROCS(h), 0, (uint64_t)nprocs * sizeof(proc_t));
     pin_t *pins = PINS(h);
@@ -407,11 +480,33 @@ int yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins) {
     return YR_OK;
 }
 
+/* Everything an attacher derives addresses from must be consistent with the
+ * mapping it has: a damaged or forged header gives an error, not a wild read.
+ * (Block offsets inside the heap are trusted: the segment is ours alone,
+ * which the caller checked before mapping it.) */
 int yr_arena_check(void *base, uint64_t size) {
     hdr_t *h = H(base);
     if (size < sizeof(hdr_t)) return YR_EBADARENA;
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != MAGIC) return YR_EBADARENA;
-    if (h->layout != LAYOUT || h->size > size) return YR_EBADARENA;
+    if (h->layout != LAYOUT || h->size != size) return YR_EBADARENA;
+    uint64_t nb = h->nbuckets;
+    if (nb < 1024 || nb > (1ULL << 30) || (nb & (nb - 1))) return YR_EBADARENA;
+    if (h->nprocs < 2 || h->nprocs > MAX_PROCS || h->npins < 2 || h->npins > MAX_STATIC_PINS ||
+        h->npages > MAX_PIN_PAGES) return YR_EBADARENA;
+    hdr_t want;
+    want.nbuckets = nb;
+    want.nprocs = h->nprocs;
+    want.npins = h->npins;
+    layout_regions(&want);
+    if (h->buckets_off != want.buckets_off || h->procs_off != want.procs_off ||
+        h->pins_off != want.pins_off || h->heap_off != want.heap_off) return YR_EBADARENA;
+    if (h->heap_off + 4 * MIN_BLOCK > size || h->heap_size != ((size - h->heap_off) & ~(uint64_t)(ALIGN - 1)))
+        return YR_EBADARENA;
+    for (uint32_t i = 0; i < h->npages; i++) {
+        uint64_t off = h->pin_pages[i];
+        if (off < h->heap_off || off + BLK_HDR + (uint64_t)PIN_PAGE * sizeof(pin_t) > h->heap_off + h->heap_size)
+            return YR_EBADARENA;
+    }
     return YR_OK;
 }
 
@@ -419,13 +514,43 @@ uint64_t yr_arena_size(void *base) { return H(base)->size; }
 
 /* ------------------------------------------------------------ processes */
 
-int yr_proc_attach(void *base, uint32_t pid, uint64_t starttime, uint32_t is_owner) {
+/* A process slot is alive exactly as long as its process holds a write lock
+ * on byte `slot` of the segment, taken through an open file description of
+ * its own (F_OFD_SETLK).  The kernel drops the lock when the process dies,
+ * in whatever PID namespace it ran: liveness never depends on the caller's
+ * view of /proc (pids of another container look dead, a reused pid alive). */
+static int ofd_lock(int fd, uint64_t byte, short type) {
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)byte;
+    fl.l_len = 1;
+    return fcntl(fd, F_OFD_SETLK, &fl) == 0 ? 0 : -errno;
+}
+
+/* 1 if an open file description other than fd's locks `byte`, 0 if none
+ * does, <0 on error (then the caller must assume alive). */
+static int ofd_held(int fd, uint64_t byte) {
+    struct flock fl;
+    memset(&fl, 0, sizeof(fl));
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = (off_t)byte;
+    fl.l_len = 1;
+    if (fcntl(fd, F_OFD_GETLK, &fl) != 0) return -errno;
+    return fl.l_type != F_UNLCK;
+}
+
+int yr_proc_attach(void *base, int fd, uint32_t pid, uint64_t starttime, uint32_t is_owner) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
     int found = YR_ENOPROCS;
     proc_t *p = PROCS(h);
     for (uint32_t i = 1; i < h->nprocs; i++) {  /* slot 0 means "nobody" */
-        if (p[i].state == 0) {
+        /* Lock first, under the arena mutex: a sweeper never sees the slot
+         * taken but unlocked. */
+        if (p[i].state == 0 && ofd_lock(fd, i, F_WRLCK) == 0) {
             p[i].pid = pid;
             p[i].starttime = starttime;
             p[i].is_owner = is_owner;
@@ -439,11 +564,14 @@ int yr_proc_attach(void *base, uint32_t pid, uint64_t starttime, uint32_t is_own
     return found;
 }
 
-/* Drop everything a slot holds: pins, and blocks it reserved for a put. */
+/* Drop everything a slot holds: pins, blocks it reserved for a put, and the
+ * HBM stubs of its device tensors (device memory dies with its process). */
 static void release_slot_locked(hdr_t *h, uint32_t slot) {
-    pin_t *pins = PINS(h);
-    for (uint32_t i = 1; i < h->npins; i++)
-        if (pins[i].block_off && pins[i].slot == slot) unpin_locked(h, i);
+    uint32_t np = total_pins(h);
+    for (uint32_t i = 1; i < np; i++) {
+        pin_t *pr = PIN(h, i);
+        if (pr->block_off && pr->slot == slot) unpin_locked(h, i);
+    }
     uint64_t off = h->heap_off;
     while (off < heap_end(h)) {
         blk_t *b = AT(h, off);
@@ -458,28 +586,43 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
         }
         off += AT(h, off)->size;
     }
-    /* Device memory dies with its process: drop the HBM stubs it owned. */
     for (uint64_t i = 0; i < h->nbuckets; i++) {
         uint64_t *s = &BUCKETS(h)[i];
         while (*s) {
             blk_t *b = AT(h, *s);
-            if ((uint32_t)b->aux[0] == TIER_HBM && (uint32_t)(b->aux[0] >> 32) == slot) retire_locked(h, s);
-            else s = &b->next;
+            if (TIER_OF(b) == TIER_HBM && (uint32_t)(b->aux[0] >> 32) == slot) {
+                b->aux[0] = TIER_DRAM;   /* nothing left to free elsewhere */
+                retire_locked(h, s);
+            } else {
+                s = &b->next;
+            }
+        }
+    }
+    for (uint64_t *s = &h->retired_head; *s;) {
+        blk_t *b = AT(h, *s);
+        if (TIER_OF(b) == TIER_HBM && (uint32_t)(b->aux[0] >> 32) == slot) {
+            uint64_t o = *s;
+            *s = b->next;
+            h->retired_count--;
+            free_block(h, o);
+        } else {
+            s = &b->next;
         }
     }
     memset(&PROCS(h)[slot], 0, sizeof(proc_t));
 }
 
-int yr_proc_detach(void *base, uint32_t slot) {
+int yr_proc_detach(void *base, int fd, uint32_t slot) {
     hdr_t *h = H(base);
     if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
     if (lock(h)) return YR_ELOCK;
     release_slot_locked(h, slot);
+    ofd_lock(fd, slot, F_UNLCK);   /* after the slot is free: nobody reclaims it twice */
     unlock(h);
     return YR_OK;
 }
 
-int yr_proc_list(void *base, yr_procinfo *out, uint32_t max) {
+int yr_proc_list(void *base, int fd, uint32_t self_slot, yr_procinfo *out, uint32_t max) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
     uint32_t n = 0;
@@ -490,16 +633,26 @@ int yr_proc_list(void *base, yr_procinfo *out, uint32_t max) {
         out[n].starttime = p[i].starttime;
         out[n].is_owner = p[i].is_owner;
         out[n].pins = p[i].pins;
+        out[n].alive = p[i].state && (i == self_slot || ofd_held(fd, i) != 0);
         n++;
     }
     unlock(h);
     return (int)n;
 }
 
-uint32_t yr_proc_count(void *base) {
+/* Reclaim the slots of dead processes: those whose lock byte nobody holds.
+ * Returns how many were reclaimed. */
+int yr_proc_sweep(void *base, int fd, uint32_t self_slot) {
     hdr_t *h = H(base);
-    uint32_t n = 0;
-    for (uint32_t i = 1; i < h->nprocs; i++) n += PROCS(h)[i].state != 0;
+    if (lock(h)) return YR_ELOCK;
+    int n = 0;
+    for (uint32_t i = 1; i < h->nprocs; i++) {
+        if (PROCS(h)[i].state && i != self_slot && ofd_held(fd, i) == 0) {
+            release_slot_locked(h, i);
+            n++;
+        }
+    }
+    unlock(h);
     return n;
 }
 
@@ -514,29 +667,17 @@ int yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner) {
 
 int yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_slot) {
     hdr_t *h = H(base);
-    if (pin == 0 || pin >= h->npins || to_slot == 0 || to_slot >= h->nprocs) return YR_ESTATE;
+    if (to_slot == 0 || to_slot >= h->nprocs) return YR_ESTATE;
     if (lock(h)) return YR_ELOCK;
     int r = YR_ESTATE;
-    pin_t *pr = &PINS(h)[pin];
-    if (pr->block_off && pr->slot == from_slot) {
-        pr->slot = to_slot;
-        if (PROCS(h)[from_slot].pins) PROCS(h)[from_slot].pins--;
-        PROCS(h)[to_slot].pins++;
-        r = YR_OK;
-    }
-    unlock(h);
-    return r;
-}
-
-int yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime) {
-    hdr_t *h = H(base);
-    if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
-    if (lock(h)) return YR_ELOCK;
-    proc_t *p = &PROCS(h)[slot];
-    int r = YR_ESTATE;
-    if (p->state && p->pid == pid && p->starttime == starttime) {
-        release_slot_locked(h, slot);
-        r = YR_OK;
+    if (pin != 0 && pin < total_pins(h)) {
+        pin_t *pr = PIN(h, pin);
+        if (pr->block_off && pr->slot == from_slot) {
+            pr->slot = to_slot;
+            if (PROCS(h)[from_slot].pins) PROCS(h)[from_slot].pins--;
+            PROCS(h)[to_slot].pins++;
+            r = YR_OK;
+        }
     }
     unlock(h);
     return r;
@@ -809,8 +950,8 @@ int yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *k
 
 int yr_unpin(void *base, uint32_t pin) {
     hdr_t *h = H(base);
-    if (pin == 0 || pin >= h->npins) return YR_ESTATE;
     if (lock(h)) return YR_ELOCK;
+    if (pin == 0 || pin >= total_pins(h)) { unlock(h); return YR_ESTATE; }
     unpin_locked(h, pin);
     unlock(h);
     return YR_OK;
@@ -955,6 +1096,48 @@ int64_t yr_scan(void *base, uint64_t *cursor, yr_scanrec *recs, uint32_t maxrecs
     return n;
 }
 
+/* Hand the retired stubs this process can free to the caller, and free
+ * their blocks: SSD stubs (any process with the SSD tier: `tiers` bit 2) and
+ * HBM stubs of this slot's device tensors (`tiers` bit 3).  Records as
+ * yr_scan's; returns how many. */
+int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *recs,
+                         uint32_t maxrecs, char *keybuf, uint64_t keybuflen) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    uint32_t n = 0;
+    uint64_t pos = 0;
+    for (uint64_t *s = &h->retired_head; *s && n < maxrecs;) {
+        blk_t *b = AT(h, *s);
+        uint32_t tier = TIER_OF(b), owner = (uint32_t)(b->aux[0] >> 32);
+        int mine = (tier < 32 && (tiers >> tier) & 1) && (tier != TIER_HBM || owner == slot);
+        if (!mine) { s = &b->next; continue; }
+        if (pos + b->klen > keybuflen) break;
+        yr_scanrec *r = &recs[n++];
+        memset(r, 0, sizeof(*r));
+        r->seq = b->seq;
+        r->nbytes = b->nbytes;
+        r->block_size = b->size;
+        r->priority = b->priority;
+        r->tier = tier;
+        r->owner = owner;
+        r->gen = b->aux[1];
+        r->key_pos = (uint32_t)pos;
+        r->klen = b->klen;
+        memcpy(keybuf + pos, KEY(b), b->klen);
+        pos += b->klen;
+        uint64_t off = *s;
+        *s = b->next;
+        h->retired_count--;
+        free_block(h, off);
+    }
+    unlock(h);
+    return n;
+}
+
+uint64_t yr_retired_pending(void *base) {
+    return __atomic_load_n(&H(base)->retired_count, __ATOMIC_RELAXED);
+}
+
 /* ----------------------------------------------------------------- stats */
 
 int yr_get_stats(void *base, yr_stats *out) {
@@ -1015,20 +1198,20 @@ static void recover_locked(hdr_t *h) {
     uint64_t end = heap_end(h);
     /* 1. Pin counts from the pin table (the only source of truth). */
     for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) AT(h, off)->pins = 0;
-    pin_t *pins = PINS(h);
     for (uint32_t i = 0; i < h->nprocs; i++) PROCS(h)[i].pins = 0;
     h->pin_free = 0;
-    for (uint32_t i = h->npins - 1; i >= 1; i--) {
-        if (pins[i].block_off) {
-            blk_t *b = AT(h, pins[i].block_off);
+    for (uint32_t i = total_pins(h) - 1; i >= 1; i--) {
+        pin_t *pr = PIN(h, i);
+        if (pr->block_off) {
+            blk_t *b = AT(h, pr->block_off);
             if (b->state == ST_LIVE || b->state == ST_ORPHAN) {
                 b->pins++;
-                PROCS(h)[pins[i].slot].pins++;
+                PROCS(h)[pr->slot].pins++;
                 continue;
             }
-            pins[i].block_off = 0;
+            pr->block_off = 0;
         }
-        pins[i].next_free = h->pin_free;
+        pr->next_free = h->pin_free;
         h->pin_free = i;
     }
     /* 2. The index from live blocks; of two live copies of a key (death
@@ -1055,13 +1238,25 @@ static void recover_locked(hdr_t *h) {
         if (b->expire_at != 0.0) h->ttl_objects++;
         if (b->seq > h->seq) h->seq = b->seq;
     }
-    /* 3. Free lists and accounting, merging free runs. */
+    /* 3. Free lists, the retire list and accounting, merging free runs. */
     memset(h->freehead, 0, sizeof(h->freehead));
     h->free_bitmap = 0;
+    h->retired_head = h->retired_count = 0;
     uint64_t prev = 0, prev_size = 0;
     for (uint64_t off = h->heap_off; off < end;) {
         blk_t *b = AT(h, off);
-        if (b->state == ST_ORPHAN && b->pins == 0) b->state = ST_FREE;
+        if (b->state == ST_ORPHAN && b->pins == 0)
+            b->state = TIER_OF(b) != TIER_DRAM && !INTERNAL(b) ? ST_RETIRED : ST_FREE;
+        if (b->state == ST_PINPAGE) {
+            int registered = 0;
+            for (uint32_t i = 0; i < h->npages; i++) registered |= h->pin_pages[i] == off;
+            if (!registered) b->state = ST_FREE;
+        }
+        if (b->state == ST_RETIRED) {
+            b->next = h->retired_head;
+            h->retired_head = off;
+            h->retired_count++;
+        }
         if (b->state == ST_FREE && prev && AT(h, prev)->state == ST_FREE) {
             AT(h, prev)->size += b->size;
             off = prev + AT(h, prev)->size;
@@ -1086,7 +1281,7 @@ static void recover_locked(hdr_t *h) {
 int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
-    uint64_t end = heap_end(h), used = 0, objects = 0, orphans = 0, prev_size = 0, nfree = 0;
+    uint64_t end = heap_end(h), used = 0, objects = 0, orphans = 0, prev_size = 0, nfree = 0, retired = 0;
     int prev_free = 0, bad = 0;
     for (uint64_t off = h->heap_off; off < end && !bad; off += AT(h, off)->size) {
         blk_t *b = AT(h, off);
@@ -1111,6 +1306,7 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
             if (!s || *s != off) { snprintf(msg, msglen, "live block %llu not indexed", (unsigned long long)off); bad = 1; break; }
             if (!INTERNAL(b)) objects++;
         }
+        if (b->state == ST_RETIRED) retired++;
         if (b->state == ST_ORPHAN) {
             orphans++;
             if (!b->pins) { snprintf(msg, msglen, "unpinned orphan at %llu", (unsigned long long)off); bad = 1; break; }
@@ -1126,6 +1322,15 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
         else if (used != h->used) { snprintf(msg, msglen, "used %llu != counted %llu", (unsigned long long)h->used, (unsigned long long)used); bad = 1; }
         else if (objects != h->objects) { snprintf(msg, msglen, "objects %llu != counted %llu", (unsigned long long)h->objects, (unsigned long long)objects); bad = 1; }
         else if (orphans != h->orphans) { snprintf(msg, msglen, "orphans %llu != counted %llu", (unsigned long long)h->orphans, (unsigned long long)orphans); bad = 1; }
+        else if (retired != h->retired_count) { snprintf(msg, msglen, "retired %llu != counted %llu", (unsigned long long)h->retired_count, (unsigned long long)retired); bad = 1; }
+        else {
+            uint64_t linked = 0;
+            for (uint64_t off = h->retired_head; off && linked <= retired; off = AT(h, off)->next) {
+                if (AT(h, off)->state != ST_RETIRED) { snprintf(msg, msglen, "retire list holds a block in state %u", AT(h, off)->state); bad = 1; break; }
+                linked++;
+            }
+            if (!bad && linked != retired) { snprintf(msg, msglen, "retire list links %llu blocks, heap %llu", (unsigned long long)linked, (unsigned long long)retired); bad = 1; }
+        }
     }
     unlock(h);
     return bad ? YR_ESTATE : YR_OK;

@@ -64,9 +64,11 @@ typedef struct {
 typedef struct {
     uint32_t pid;
     uint32_t state;         /* 0 free, 1 attached */
-    uint64_t starttime;     /* /proc/<pid>/stat field 22: tells pid reuse apart */
+    uint64_t starttime;     /* /proc/<pid>/stat field 22 (for display) */
     uint32_t is_owner;
     uint32_t pins;
+    uint32_t alive;         /* its process holds the slot's lock byte */
+    uint32_t pad;
 } yr_procinfo;
 
 /* error codes (negative) */
@@ -85,11 +87,12 @@ int  yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins);
 int  yr_arena_check(void *base, uint64_t size);
 uint64_t yr_arena_size(void *base);
 
-int  yr_proc_attach(void *base, uint32_t pid, uint64_t starttime, uint32_t is_owner);
-int  yr_proc_detach(void *base, uint32_t slot);
-int  yr_proc_list(void *base, yr_procinfo *out, uint32_t max);
-int  yr_proc_reclaim(void *base, uint32_t slot, uint32_t pid, uint64_t starttime);
-uint32_t yr_proc_count(void *base);
+/* process slots: `fd` is the caller's own open file description of the
+ * segment; a slot lives while its process holds a lock on byte `slot` */
+int  yr_proc_attach(void *base, int fd, uint32_t pid, uint64_t starttime, uint32_t is_owner);
+int  yr_proc_detach(void *base, int fd, uint32_t slot);
+int  yr_proc_list(void *base, int fd, uint32_t self_slot, yr_procinfo *out, uint32_t max);
+int  yr_proc_sweep(void *base, int fd, uint32_t self_slot);
 int  yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner);
 /* hand a pin record from one process slot to another (fork: parent -> child) */
 int  yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_slot);
@@ -148,6 +151,12 @@ int  yr_contains(void *base, const char *key, uint32_t klen);
  * *cursor; returns the number of keys written, advances *cursor (0 at end). */
 int64_t yr_keys(void *base, uint64_t *cursor, char *buf, uint64_t buflen,
                 const char *prefix, uint32_t plen);
+
+/* the retire channel: stubs that left the index, whose bytes a process of
+ * the right tier must free (see arena.c, dispose_locked) */
+int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *recs,
+                         uint32_t maxrecs, char *keybuf, uint64_t keybuflen);
+uint64_t yr_retired_pending(void *base);
 
 int  yr_get_stats(void *base, yr_stats *out);
 void yr_count(void *base, int which, uint64_t n);

@@ -145,3 +145,4 @@ class DemotionService:
         self._stop.set()
         self._arena.notify_wake(self._req)
         self._thread.join(5)
+        self._arena = None

@@ -5,33 +5,44 @@ allocator, the pin table, the process table and a robust mutex (all in C, see
 ``_csrc/arena.c``).  Any process maps it by name and works on it directly; no
 daemon, no socket.
 
+Trust: a segment is mapped only if it is owned by this process's user and
+nobody else may read or write it (created 0600; anything else raises
+``UntrustedStoreError`` before a byte of it is read).
+
+Liveness: each mapping takes a process slot and holds a lock on that slot's
+byte of the segment through an open file description of its own; a slot is
+dead exactly when nobody holds its lock (the kernel drops it with the
+process), whatever PID namespace either process runs in.
+
 Life cycle of a mapping (`Arena`): it registers a process slot, hands out
-pinned zero-copy views, and is unmapped only when the store handle *and*
-every view built on it are gone, so a view outlives ``close()``.  After a
-``fork`` the child takes its own slot and re-pins the views it inherited, so
-they stay valid whatever the parent does.
+pinned zero-copy views, and is unmapped only when nothing in the process
+refers to it any more: the store handle, every view, and every operation
+still running in another thread or paused in an iterator.  So a view
+outlives ``close()``, and closing a store while another thread uses it is
+an error there (``StoreClosedError``), never a crash.  After a ``fork`` the
+child takes its own slot and re-pins the views it inherited, so they stay
+valid whatever the parent does.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import os
 import re
 import threading
+import warnings
 import weakref
 
 import posix_ipc
 
 from .._arena import ffi, lib
-from ..errors import StoreNotFoundError, YrcacheError
+from ..errors import StoreFullError, StoreNotFoundError, UntrustedStoreError, YrcacheError
+from ..sizes import format_size
 
 PREFIX = "/yrcache."
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 SHM_DIR = "/dev/shm"
-
-# user words in the arena header
-UW_FLAGS = 0      # bit 0: the owner closed its handle
-FLAG_OWNER_CLOSED = 1
 
 ERRORS = {
     lib.YR_ENOTFOUND: "not found",
@@ -67,32 +78,60 @@ def list_stores() -> list[str]:
     return sorted(e[len(PREFIX) - 1:] for e in entries if e.startswith(PREFIX[1:]))
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
-    """(state, starttime) of a process, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = data[data.rindex(b")") + 2:].split()
-    return fields[0].decode(), int(fields[19])
-
-
 def proc_starttime(pid: int | None = None) -> int:
-    st = _proc_stat(pid or os.getpid())
-    return st[1] if st else 0
-
-
-def proc_alive(pid: int, starttime: int) -> bool:
-    """True if ``pid`` is the same running process (not a zombie, not reused)."""
-    st = _proc_stat(pid)
-    return st is not None and st[0] not in ("Z", "X") and st[1] == starttime
+    """Start time of a process in clock ticks (shown by ``yrcache stat``; 0 if unknown)."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return 0
+    return int(data[data.rindex(b")") + 2:].split()[19])
 
 
 def check(rc: int, what: str) -> int:
     if rc < 0:
         raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
     return rc
+
+
+def check_trusted(st: os.stat_result, path: str) -> None:
+    """Refuse a segment that is not ours alone (another user's, or open to others)."""
+    if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise UntrustedStoreError(
+            f"{path} is owned by uid {st.st_uid} with mode {st.st_mode & 0o777:o}; yrcache maps only "
+            f"segments owned by you (uid {os.geteuid()}) that nobody else can read or write (0600). "
+            "If you do not know who made it, do not use it: remove it (as its owner or root) or "
+            "pick another store name"
+        )
+
+
+def _open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
+    """(fd, created): our own descriptor of the segment, created 0600 if asked."""
+    shm = None
+    created = False
+    if create:
+        try:
+            shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=0o600, size=size)
+            created = True
+        except posix_ipc.ExistentialError:
+            pass
+    if shm is None:
+        try:
+            shm = posix_ipc.SharedMemory(shm_name(name))
+        except posix_ipc.ExistentialError:
+            raise StoreNotFoundError(
+                f"no store named {name!r} on this node (no {SHM_DIR}{shm_name(name)}); "
+                "create it with TieredStore(name=...) first"
+            ) from None
+        except posix_ipc.PermissionsError:
+            raise UntrustedStoreError(
+                f"{SHM_DIR}{shm_name(name)} exists but is not yours to open; pick another store name"
+            ) from None
+    try:
+        fd = os.dup(shm.fd)   # close-on-exec; kept for the slot lock
+    finally:
+        shm.close_fd()
+    return fd, created
 
 
 _arenas: "weakref.WeakSet[Arena]" = weakref.WeakSet()
@@ -111,108 +150,103 @@ class Arena:
                  owner: bool | None = None):
         self.name = check_name(name)
         self.shm_name = shm_name(name)
+        self.path = f"{SHM_DIR}{self.shm_name}"
         self._lock = threading.Lock()
-        self.created = False
-        if create:
-            try:
-                shm = posix_ipc.SharedMemory(self.shm_name, posix_ipc.O_CREX, mode=0o600, size=size)
-                self.created = True
-            except posix_ipc.ExistentialError:
-                shm = None
-        else:
-            shm = None
-        if shm is None:
-            try:
-                shm = posix_ipc.SharedMemory(self.shm_name)
-            except posix_ipc.ExistentialError:
-                raise StoreNotFoundError(
-                    f"no store named {name!r} on this node (no {SHM_DIR}{self.shm_name}); "
-                    "create it with TieredStore(name=...) first"
-                ) from None
+        self.mapped = False
+        self.persist = False
+        self._fd = -1
+        self._slot = 0
+        fd, self.created = _open_segment(name, create, size)
+        self._fd = fd
         try:
-            st = os.fstat(shm.fd)
+            st = os.fstat(fd)
+            check_trusted(st, self.path)
             self.size = st.st_size
             self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
+            if self.created:
+                self._reserve(size)
             # tmpfs: a first-touch write costs ~10x a write to a resident page,
             # so the creator faults the whole arena in once, here, not on the
             # put path.  An attacher may map every page up front too (about
             # 0.14 s per GiB), sparing it a ~1 us fault per page it touches.
-            self.base = lib.yr_map(shm.fd, self.size, 1 if prefault else 0)
-        finally:
-            shm.close_fd()
-        if self.base == ffi.NULL:
-            if self.created:
-                posix_ipc.unlink_shared_memory(self.shm_name)
-            raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
-        self.addr = int(ffi.cast("uintptr_t", self.base))
-        self.cbase = ffi.cast("char *", self.base)
-        self.mapped = True
-        try:
+            self.base = lib.yr_map(fd, self.size, 1 if prefault else 0)
+            if self.base == ffi.NULL:
+                raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
+            self.addr = int(ffi.cast("uintptr_t", self.base))
+            self.cbase = ffi.cast("char *", self.base)
+            self.mapped = True
             if self.created:
                 if npins is None:
-                    npins = max(1024, min(1 << 22, size // 4096))   # 16 B each
+                    npins = max(1024, min(1 << 22, size // 4096))   # 16 B each; more grow on demand
                 check(lib.yr_arena_init(self.base, self.size, nprocs, npins), "arena init")
             elif lib.yr_arena_check(self.base, self.size) != 0:
                 raise StoreNotFoundError(
-                    f"{SHM_DIR}{self.shm_name} is not a usable yrcache store (being created, "
-                    f"or from an incompatible version); remove it with `yrcache destroy {name}`"
+                    f"{self.path} is not a usable yrcache store (being created, damaged, or from an "
+                    f"incompatible version); remove it with `yrcache destroy {name}`"
                 )
             self.is_owner = self.created if owner is None else owner
             self._register()
         except BaseException:
             self._unmap()
             if self.created:
-                posix_ipc.unlink_shared_memory(self.shm_name)
+                unlink_if(self.name, getattr(self, "_ident", None))
             raise
         # views made by this process: pin -> block offset (re-pinned after fork)
         self._views: dict[int, int] = {}
         self._remap: dict[tuple[int, int], int] = {}
-        self._handles = 1  # the store handle; views hold the Arena object itself
+        self._handle = True   # the store handle; views hold the Arena object itself
         _arenas.add(self)
+
+    def _reserve(self, size: int) -> None:
+        """Give the new segment all its memory now, so that an over-committed
+        /dev/shm fails here with StoreFullError, not later with SIGBUS."""
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            raise StoreFullError(
+                f"cannot create store {self.name!r}: {SHM_DIR} has no room for "
+                f"{format_size(size)} ({e.strerror}); choose a smaller dram=, free shared memory "
+                f"(`yrcache list`, `yrcache destroy NAME`), or enlarge {SHM_DIR}"
+            ) from None
 
     # -------------------------------------------------------------- slots
 
     def _register(self) -> None:
         self.starttime = proc_starttime()
         self.sweep()
-        slot = lib.yr_proc_attach(self.base, os.getpid(), self.starttime, int(self.is_owner))
+        slot = lib.yr_proc_attach(self.base, self._fd, os.getpid(), self.starttime, int(self.is_owner))
         if slot < 0:
             raise YrcacheError(
-                f"store {self.name!r} has no free process slot (1023 processes attached); "
+                f"store {self.name!r} has no free process slot (all attached); "
                 "close stores in processes that no longer need them"
             )
         self._slot = slot
         self.pid = os.getpid()
+        self.attached_here = True
         _install_exit_hook()
 
     def sweep(self) -> int:
         """Reclaim the slots of dead processes (their pins and unfinished puts).
 
-        O(attached processes) plus, per dead process, O(pins + blocks).
-        Returns the number of slots reclaimed.
+        A slot is dead when no process holds its lock byte.  O(slots) plus,
+        per dead process, O(pins + blocks).  Returns the number reclaimed.
         """
-        n = 1024
-        buf = ffi.new("yr_procinfo[]", n)
-        cnt = lib.yr_proc_list(self.base, buf, n)
-        reclaimed = 0
-        for i in range(1, max(cnt, 0)):
-            p = buf[i]
-            if p.state and not proc_alive(p.pid, p.starttime):
-                if lib.yr_proc_reclaim(self.base, i, p.pid, p.starttime) == 0:
-                    reclaimed += 1
-        return reclaimed
+        return max(0, lib.yr_proc_sweep(self.base, self._fd, self._own_slot()))
+
+    def _own_slot(self) -> int:
+        return self._slot if getattr(self, "pid", None) == os.getpid() else 0
 
     def attached(self) -> list[tuple[int, int, bool]]:
         """(slot, pid, is_owner) of every live attached process slot."""
         n = 1024
         buf = ffi.new("yr_procinfo[]", n)
-        cnt = lib.yr_proc_list(self.base, buf, n)
-        return [(i, buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0))
-                if buf[i].state and proc_alive(buf[i].pid, buf[i].starttime)]
+        cnt = lib.yr_proc_list(self.base, self._fd, self._own_slot(), buf, n)
+        return [(i, buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0)) if buf[i].alive]
 
     def take_ownership(self) -> None:
-        """Become the owner (of a store whose owner closed it or died)."""
-        lib.yr_user_word(self.base, UW_FLAGS)[0] &= ~FLAG_OWNER_CLOSED
+        """Become the owner (of a store whose owner died)."""
         self.is_owner = True
         lib.yr_proc_set_owner(self.base, self.slot, 1)
 
@@ -232,7 +266,8 @@ class Arena:
         first step the parent may drop a view and the block be reused.
         """
         self._fork_pins = []
-        if not self.mapped or self.pid != os.getpid():
+        self._fork_unpinned = 0
+        if not self.mapped or self.pid != os.getpid() or not self.attached_here:
             return
         with self._lock:
             views = list(self._views.items())
@@ -240,6 +275,8 @@ class Arena:
             extra = lib.yr_pin_block(self.base, self._slot, block)
             if extra > 0:
                 self._fork_pins.append((pin, extra, block))
+            elif extra == lib.YR_ENOPINS:
+                self._fork_unpinned += 1
 
     def after_fork_in_parent(self) -> None:
         self._fork_pins = []   # they belong to the child now
@@ -248,11 +285,21 @@ class Arena:
         """Own the pins the parent took for us; register a slot lazily otherwise."""
         self._lock = threading.Lock()
         self.is_owner = False   # ownership stays with the process that created the store
+        self._handle = False    # the parent's handle; a child's store object re-opens it
+        self._reopen_fd()
         parent, parent_slot = self.pid, self._slot
         handed = getattr(self, "_fork_pins", [])
+        unpinned = getattr(self, "_fork_unpinned", 0)
         self._fork_pins = []
         self._views = {}
         self._remap = {}
+        self.attached_here = False
+        if unpinned:
+            warnings.warn(
+                f"yrcache: {unpinned} view(s) of store {self.name!r} inherited across fork could "
+                "not be pinned for this child (the arena has no room for more pins); they may "
+                "change under it. Release views before forking, or give the store more dram=",
+                RuntimeWarning, stacklevel=1)
         if not self.mapped or parent == os.getpid() or not handed:
             return
         self._register()
@@ -261,13 +308,25 @@ class Arena:
                 self._remap[(parent, old)] = pin
                 self._views[pin] = block
 
+    def _reopen_fd(self) -> None:
+        """A descriptor of our own: the inherited one shares the parent's
+        open file description, and with it the parent's slot lock."""
+        if self._fd < 0:
+            return
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        os.close(self._fd)
+        self._fd = fd
+
     # --------------------------------------------------------------- pins
 
     def pinned_ptr(self, offset: int, pin: int, block: int):
         """A ``char *`` at ``offset`` that unpins ``pin`` when garbage collected.
 
         The hot path of every get: no lock (dict updates are atomic under
-        the GIL; the unmap decision, which needs one, is off this path).
+        the GIL).  The closure keeps this Arena, hence the mapping, alive.
         """
         self._views[pin] = block
         pid = _pid
@@ -284,13 +343,10 @@ class Arena:
             pin = self._remap.pop((pid, pin), 0)
             if not pin:
                 return
-        if not self.mapped:
+        if not self.attached_here:   # detached at exit: the pin is no longer ours
             return
-        # Unpin before forgetting the view: while it is listed, nobody unmaps.
         lib.yr_unpin(self.base, pin)
         self._views.pop(pin, None)
-        if not self._handles:
-            self._maybe_unmap()
 
     def unpin(self, pin: int) -> None:
         lib.yr_unpin(self.base, pin)
@@ -324,32 +380,30 @@ class Arena:
     # ----------------------------------------------------------- closing
 
     def release_handle(self) -> None:
-        """The store handle is done; unmap once no view needs the mapping."""
-        if self._handles:
-            self._handles = 0
-            if self.is_owner and self.mapped:
-                lib.yr_user_word(self.base, UW_FLAGS)[0] |= FLAG_OWNER_CLOSED
-            self._maybe_unmap()
+        """The store handle is done.  The owner unlinks the segment's name
+        (unless the store persists): processes still attached keep their
+        mappings, new attaches fail.  The mapping itself goes when nothing in
+        this process refers to this Arena any more (see ``__del__``)."""
+        if self._handle:
+            self._handle = False
+            if self.is_owner and not self.persist:
+                self.unlink()
 
-    def _maybe_unmap(self) -> None:
+    def detach(self) -> None:
+        """Give the process slot back (its pins with it).  Views of this
+        process must not be used afterwards: only for exit and finalisation."""
         with self._lock:
-            if self._handles or self._views or not self.mapped:
-                return
-            if self.pid != os.getpid():   # inherited, never registered here
-                self._unmap()
-                return
-            lib.yr_proc_detach(self.base, self._slot)
-            owner_closed = lib.yr_user_word(self.base, UW_FLAGS)[0] & FLAG_OWNER_CLOSED
-            if owner_closed:
-                self.sweep()
-                if lib.yr_proc_count(self.base) == 0:
-                    self.unlink()
-            self._unmap()
+            if self.mapped and self.attached_here and self.pid == os.getpid():
+                self.attached_here = False
+                lib.yr_proc_detach(self.base, self._fd, self._slot)
 
     def _unmap(self) -> None:
         if self.mapped:
             self.mapped = False
             lib.yr_unmap(self.base, self.size)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def unlink(self) -> bool:
         """Remove the segment's name if it still names *this* segment.
@@ -357,31 +411,36 @@ class Arena:
         (A store destroyed and created again under the same name is another
         segment; an old handle must not unlink it.)  Mappings stay valid.
         """
-        try:
-            fd = os.open(f"{SHM_DIR}{self.shm_name}", os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            st = os.fstat(fd)
-        finally:
-            os.close(fd)
-        if (st.st_dev, st.st_ino) != self._ident:
-            return False
-        try:
-            posix_ipc.unlink_shared_memory(self.shm_name)
-            return True
-        except posix_ipc.ExistentialError:
-            return False
+        return unlink_if(self.name, self._ident)
 
     def __del__(self):
-        # Only reached when no view and no handle refers to us.
+        # Reached when no handle, view or running operation refers to us.
         try:
-            if self.mapped and self.pid == os.getpid():
-                self._handles = 0
-                self._views.clear()
-                self._maybe_unmap()
+            if self._handle:
+                self.release_handle()
+            self.detach()
+            self._unmap()
         except Exception:
             pass
+
+
+def unlink_if(name: str, ident: tuple[int, int] | None) -> bool:
+    """Unlink the segment ``name`` if it is still the one with (st_dev, st_ino) ``ident``."""
+    try:
+        fd = os.open(f"{SHM_DIR}{shm_name(name)}", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if ident is not None and (st.st_dev, st.st_ino) != ident:
+        return False
+    try:
+        posix_ipc.unlink_shared_memory(shm_name(name))
+        return True
+    except posix_ipc.ExistentialError:
+        return False
 
 
 def destroy(name: str) -> bool:
@@ -418,13 +477,14 @@ def _after_fork_in_child() -> None:
 
 
 def _detach_all() -> None:
-    """At exit: release this process's slots, so it does not count as attached."""
+    """At exit: an owner's store goes (unless it persists), and this process's
+    slots are given back.  Nothing is unmapped: code that runs later in the
+    exit may still hold views, and the mappings go with the process."""
     for arena in list(_arenas):
         try:
-            if arena.mapped and arena.pid == os.getpid():
-                arena._handles = 0
-                arena._views.clear()
-                arena._maybe_unmap()
+            if arena.mapped and getattr(arena, "pid", None) == os.getpid():
+                arena.release_handle()
+                arena.detach()
         except Exception:
             pass
 
