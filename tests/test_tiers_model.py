@@ -6,6 +6,11 @@ numpy arrays and torch tensors, so nearly every put spills and every repeated
 read promotes.  Whatever moves where, the store must hold exactly what the
 dict holds: nothing lost, nothing changed, nothing resurrected.
 
+Objects put with a TTL either expire before the next step (and must then be
+gone from every tier: ``check()``, run after every step, verifies that no
+SSD payload or device tensor outlives its stub and that each tier's ``used``
+adds up) or outlive the run.
+
 ``StoreFullError`` is allowed only when the objects (plus, during the put, the
 old and the new value of the key being replaced) could not all fit on SSD
 alone; the failed put must leave the old value in place.
@@ -16,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 
 import numpy as np
@@ -142,6 +148,22 @@ class TieredModel(RuleBasedStateMachine):
             self.full_errors += 1
             return
         self.model[key] = value
+
+    @rule(key=keys, value=values, hint=st.data(), priority=priorities, short=st.booleans())
+    def put_with_ttl(self, key, value, hint, priority, short):
+        """A short TTL expires before the next step, wherever the object went; a long one never here."""
+        tier = self.hint_for(value, hint.draw(st.sampled_from(self.hints), label="tier"))
+        try:
+            self.store.put(key, value, tier=tier, priority=priority, ttl=0.001 if short else 3600)
+        except StoreFullError:
+            assert self.may_be_full(key, nbytes_of(value)), self.store.stats()["tiers"]
+            self.full_errors += 1
+            return
+        if short:
+            time.sleep(0.002)
+            self.model.pop(key, None)
+        else:
+            self.model[key] = value
 
     @rule(key=keys, value=big_values, hint=st.data(), priority=priorities)
     def put_big(self, key, value, hint, priority):

@@ -145,8 +145,9 @@ class TieredStore(MutableMapping):
             raise ValueError(f"dram must be at least {format_size(lib.yr_arena_min_size())}, got {dram_b} bytes")
         free = shutil.disk_usage(shm.SHM_DIR).free if os.path.isdir(shm.SHM_DIR) else None
         if free is not None and dram_b > free:
-            raise ValueError(f"dram={format_size(dram_b)} is more than the {format_size(free)} free in "
-                             f"{shm.SHM_DIR}; choose a smaller dram= (or add an SSD tier with ssd=)")
+            raise StoreFullError(f"cannot create a store of dram={format_size(dram_b)}: {shm.SHM_DIR} has "
+                                 f"{format_size(free)} free; choose a smaller dram= (or add an SSD tier "
+                                 "with ssd=), or free shared memory (`yrcache list`, `yrcache destroy NAME`)")
         if ssd_b is not None and ssd is None:
             raise ValueError("ssd_size= needs ssd= (the directory for the SSD tier)")
         high, low = (float(w) for w in watermarks)

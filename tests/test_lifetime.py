@@ -1,0 +1,296 @@
+"""When a segment disappears, and misuse around closing (docs/architecture.md,
+"Ownership and lifetime"): no normal exit, DataLoader shutdown or worker kill
+leaves a segment behind; a closed store raises, it never crashes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from yrcache import StoreClosedError, StoreFullError, StoreNotFoundError, TieredStore
+from yrcache.tiers import shm
+from procs import seg_exists
+
+
+def run_script(tmp_path, code: str, timeout: float = 120, prefix: list[str] | None = None):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    return subprocess.run([*(prefix or []), sys.executable, str(script)], capture_output=True,
+                          text=True, timeout=timeout, cwd=tmp_path)
+
+
+# ---------------------------------------------------------------- ownership
+
+
+def test_store_in_a_module_global_is_removed_at_exit(store_name, tmp_path):
+    r = run_script(tmp_path, f"""
+        import numpy as np
+        from yrcache import TieredStore
+        s = TieredStore(name={store_name!r}, dram="4MiB")
+        s["k"] = np.arange(10)
+        v = s["k"]            # a live view at exit too
+        """)
+    assert r.returncode == 0, r.stderr
+    assert not seg_exists(store_name), "a never-closed store leaked its segment at normal exit"
+
+
+def test_persist_keeps_the_store_until_destroy(store_name, tmp_path):
+    r = run_script(tmp_path, f"""
+        from yrcache import TieredStore
+        s = TieredStore(name={store_name!r}, dram="4MiB", persist=True)
+        s["k"] = b"kept"
+        s.close()
+        """)
+    assert r.returncode == 0, r.stderr
+    try:
+        assert seg_exists(store_name)
+        s = TieredStore.attach(store_name)
+        assert bytes(s["k"]) == b"kept"
+        s.close()
+        assert seg_exists(store_name)           # an attached close never removes it
+        adopter = TieredStore(name=store_name)  # adopts it, persistence included
+        adopter.close()
+        assert seg_exists(store_name)
+        cli = subprocess.run([sys.executable, "-m", "yrcache", "destroy", store_name],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert not seg_exists(store_name)
+    finally:
+        shm.destroy(store_name)
+
+
+def test_adopter_may_turn_persistence_off(store_name):
+    s = TieredStore(name=store_name, dram="4MiB", persist=True)
+    s.close()
+    try:
+        adopter = TieredStore(name=store_name, persist=False)
+        adopter.close()
+        assert not seg_exists(store_name)
+    finally:
+        shm.destroy(store_name)
+
+
+def test_sigkilled_owner_still_leaves_its_segment(store_name, tmp_path):
+    r = run_script(tmp_path, f"""
+        import os, signal
+        from yrcache import TieredStore
+        s = TieredStore(name={store_name!r}, dram="4MiB")
+        s["k"] = b"survives"
+        os.kill(os.getpid(), signal.SIGKILL)
+        """)
+    assert r.returncode == -9
+    try:
+        s = TieredStore.attach(store_name)
+        assert bytes(s["k"]) == b"survives"
+        s.close()
+    finally:
+        shm.destroy(store_name)
+
+
+DATALOADER = """
+    import sys
+    import numpy as np
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+    from yrcache import TieredStore
+
+    class Cached(Dataset):
+        def __init__(self, store):
+            self.store = store
+        def __len__(self):
+            return 16
+        def __getitem__(self, i):
+            key = f"s/{{i}}"
+            if key not in self.store:
+                self.store[key] = np.full(4, i, dtype=np.int64)
+            return torch.from_numpy(self.store.get(key, copy=True))
+
+    if __name__ == "__main__":
+        with TieredStore(name={name!r}, dram="64MiB") as s:
+            dl = DataLoader(Cached(s), batch_size=4, num_workers=2, persistent_workers=True,
+                            multiprocessing_context={ctx!r})
+            for epoch in range(2):
+                total = sum(int(b.sum()) for b in dl)
+            assert total == sum(range(16)) * 4, total
+            assert len(s) == 16
+        print("done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_dataloader_with_persistent_workers_leaves_no_segment(store_name, tmp_path, ctx):
+    pytest.importorskip("torch")
+    r = run_script(tmp_path, DATALOADER.format(name=store_name, ctx=ctx), timeout=180)
+    try:
+        assert r.returncode == 0 and "done" in r.stdout, r.stderr
+        assert not seg_exists(store_name), "DataLoader workers kept the segment after the script ended"
+    finally:
+        shm.destroy(store_name)
+
+
+# ------------------------------------------------------ tmpfs cannot back it
+
+
+def _private_shm_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /dev/shm"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _private_shm_works(),
+                    reason="needs `unshare --mount` and tmpfs mounts (root) for a private, small /dev/shm")
+@pytest.mark.parametrize("prefault", [False, True])
+def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, prefault):
+    """/dev/shm of 16 MiB: two 12 MiB stores both pass the free-space check
+    (the first has not touched its pages yet); the second must fail at once
+    with StoreFullError, and the first must be fully writable."""
+    script = tmp_path / "over.py"
+    script.write_text(textwrap.dedent(f"""
+        import numpy as np
+        from yrcache import TieredStore, StoreFullError
+        from yrcache.tiers import shm
+        a = TieredStore(name="a", dram="12MiB", prefault={prefault})
+        try:
+            TieredStore(name="b", dram="12MiB", prefault={prefault})
+        except StoreFullError as e:
+            print("refused:", e)
+        try:    # below the free-space check: the segment itself must not over-commit
+            shm.Arena("c", create=True, size=12 << 20, prefault={prefault})
+        except StoreFullError as e:
+            print("refused:", e)
+        a["x"] = np.ones(10 << 20, dtype=np.uint8)    # every page of a's heap is backed
+        assert int(a["x"].sum()) == 10 << 20
+        import os
+        print("left:", sorted(os.listdir("/dev/shm")))
+        a.close()
+        print("ok")
+        """))
+    r = subprocess.run(["unshare", "--mount", "sh", "-c",
+                        f"mount -t tmpfs -o size=16M tmpfs /dev/shm && {sys.executable} {script}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"exit {r.returncode} (-7 is SIGBUS)\n{r.stderr}"
+    assert r.stdout.count("refused:") == 2 and "has no room" in r.stdout, r.stdout
+    assert "left: ['yrcache.a']" in r.stdout, r.stdout      # the refused store left nothing
+    assert r.stdout.rstrip().endswith("ok")
+
+
+def test_store_larger_than_free_shm_is_refused(store_name):
+    free = os.statvfs(shm.SHM_DIR)
+    too_big = free.f_bavail * free.f_frsize + (1 << 30)
+    with pytest.raises((StoreFullError, ValueError)):
+        TieredStore(name=store_name, dram=too_big)
+    assert not seg_exists(store_name)
+
+
+# ------------------------------------------------------- use after close
+
+
+def test_iterator_used_after_destroy_raises(tmp_path, store_name):
+    """In a child, so that a crash shows up as a failed test, not a dead run."""
+    r = run_script(tmp_path, f"""
+        from yrcache import TieredStore, StoreClosedError
+        s = TieredStore(name={store_name!r}, dram="16MiB")
+        s.mset({{f"k{{i}}": b"x" for i in range(20000)}})   # more than one batch of keys
+        it = s.keys()
+        next(it)
+        s.destroy()
+        try:
+            list(it)
+        except StoreClosedError as e:
+            print("closed:", e)
+        """)
+    assert r.returncode == 0, f"exit {r.returncode}: {r.stderr}"
+    assert "closed:" in r.stdout
+    assert not seg_exists(store_name)
+
+
+def test_methods_and_iterators_after_close_raise(make_store):
+    s = make_store()
+    s["k"] = np.arange(5)
+    it = iter(s)
+    s.close()
+    with pytest.raises(StoreClosedError):
+        list(it)
+    for call in (lambda: s["k"], lambda: s.put("k", b"v"), lambda: s.keys(), lambda: s.stats(),
+                 lambda: s.get_into("k", np.empty(5, dtype=np.int64)), lambda: len(s)):
+        with pytest.raises(StoreClosedError):
+            call()
+
+
+CLOSE_RACE = """
+    import threading
+    import numpy as np
+    from yrcache import TieredStore, StoreClosedError
+
+    errors = []
+
+    def hammer(s, i):
+        out = np.empty(1 << 16, dtype=np.uint8)
+        val = np.full(1 << 16, i, dtype=np.uint8)
+        try:
+            while True:
+                s.put(f"k{{i}}", val)
+                s.get_into(f"k{{i}}", out)
+                assert (out == i).all()
+                v = s[f"k{{i}}"]
+                assert int(v[0]) == i
+                list(s.keys())
+        except StoreClosedError:
+            pass
+        except BaseException as e:
+            errors.append(repr(e))
+
+    for run in range({runs}):
+        s = TieredStore(name=f"{name}-{{run}}", dram="8MiB")
+        threads = [threading.Thread(target=hammer, args=(s, i)) for i in range(3)]
+        for t in threads:
+            t.start()
+        import time
+        time.sleep(0.01 * (run % 5))
+        s.close()
+        for t in threads:
+            t.join(10)
+    assert not errors, errors
+    print("ok")
+"""
+
+
+def test_close_while_other_threads_put_and_get_never_crashes(tmp_path, store_name):
+    r = run_script(tmp_path, CLOSE_RACE.format(name=store_name, runs=15))
+    assert r.returncode == 0, f"exit {r.returncode} (-11 is SIGSEGV): {r.stderr[-2000:]}"
+    assert r.stdout.strip() == "ok"
+    for run in range(15):
+        assert not seg_exists(f"{store_name}-{run}")
+
+
+def test_view_taken_before_close_stays_valid_and_detach_follows_it(make_store, store_name):
+    s = make_store()
+    other = TieredStore.attach(store_name)
+    other["k"] = np.arange(1000)
+    v = other["k"]
+    other.close()
+    assert s.stats()["processes"] == 2        # the view keeps the attacher's slot (and pin)
+    np.testing.assert_array_equal(v, np.arange(1000))
+    del v
+    import gc
+    gc.collect()
+    assert s.stats()["processes"] == 1
+
+
+def test_attach_after_owner_close_is_not_found(make_store, store_name):
+    s = make_store()
+    keep = TieredStore.attach(store_name)
+    s.close()
+    with pytest.raises(StoreNotFoundError):
+        TieredStore.attach(store_name)
+    keep["still"] = b"works"
+    assert bytes(keep["still"]) == b"works"
+    keep.close()

@@ -1,0 +1,282 @@
+"""What a store trusts and what it refuses (docs/architecture.md, "Security").
+
+Another local user is simulated by chown-ing files to ``nobody`` (the tests
+run as root); other containers sharing ``/dev/shm`` by ``unshare --pid``.
+"""
+
+from __future__ import annotations
+
+import gc
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from yrcache import TieredStore, Tier, UntrustedStoreError
+from yrcache._arena import ffi, lib
+from yrcache.tiers import shm
+from procs import seg_path
+
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+
+
+class Boom:
+    """Unpickling this runs a command: creates the file ``path``."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def run_py(code: str, timeout: float = 60, prefix: list[str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*(prefix or []), sys.executable, "-c", textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------ foreign segments
+
+
+@as_root
+@pytest.mark.parametrize("how", ["create", "attach"])
+def test_foreign_segment_is_refused_and_never_unpickled(store_name, tmp_path, how):
+    """Another user's segment (mode 0666, holding a pickle whose loading runs a
+    command) is neither adopted nor attached, so the command never runs."""
+    marker = tmp_path / "pwned"
+    s = TieredStore(name=store_name, dram="4MiB", pickle=True, persist=True)
+    s["x"] = Boom(str(marker))
+    s.close()
+    del s
+    gc.collect()
+    os.chown(seg_path(store_name), NOBODY, NOBODY)
+    os.chmod(seg_path(store_name), 0o666)
+    try:
+        with pytest.raises(UntrustedStoreError, match="owned by uid 65534"):
+            if how == "create":
+                TieredStore(name=store_name, dram="4MiB")
+            else:
+                TieredStore.attach(store_name, pickle=True)
+        assert not marker.exists()
+    finally:
+        shm.destroy(store_name)
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o660, 0o606, 0o666])
+def test_own_segment_open_to_others_is_refused(store_name, mode):
+    s = TieredStore(name=store_name, dram="4MiB", persist=True)
+    s["k"] = b"v"
+    s.close()
+    os.chmod(seg_path(store_name), mode)
+    try:
+        with pytest.raises(UntrustedStoreError, match=f"mode {mode:o}"):
+            TieredStore.attach(store_name)
+        with pytest.raises(PermissionError):     # the builtin a caller may already catch
+            TieredStore(name=store_name)
+    finally:
+        shm.destroy(store_name)
+
+
+def test_segments_are_created_owner_only(make_store, store_name):
+    make_store()
+    st = os.stat(seg_path(store_name))
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o777 == 0o600
+
+
+def test_pickle_records_need_pickle_on_the_reading_handle(make_store, store_name, tmp_path):
+    """A pickle=True process stores a pickled object; a pickle=False handle of
+    the same store refuses to load it (and so never runs its code)."""
+    marker = tmp_path / "pwned"
+    writer = make_store(pickle=True)
+    writer["obj"] = Boom(str(marker))
+    writer["plain"] = b"bytes are fine"
+    reader = TieredStore.attach(store_name)
+    try:
+        for read in (lambda: reader["obj"], lambda: reader.get("obj"), lambda: reader.mget(["obj"]),
+                     lambda: reader.get("obj", copy=True)):
+            with pytest.raises(UntrustedStoreError, match="pickle=True"):
+                read()
+        assert not marker.exists()
+        assert bytes(reader["plain"]) == b"bytes are fine"
+        assert reader.stats()["pinned_bytes"] == 0      # the refused read left no pin behind
+        trusting = TieredStore.attach(store_name, pickle=True)
+        trusting["obj"]                                  # opted in: loads (and runs) it
+        assert marker.exists()
+        trusting.close()
+    finally:
+        reader.close()
+
+
+def test_pickle_records_on_ssd_need_pickle_too(make_store, store_name, tmp_path):
+    marker = tmp_path / "pwned"
+    writer = make_store(pickle=True, ssd=tmp_path / "ssd")
+    writer.put("obj", Boom(str(marker)), tier=Tier.SSD)
+    reader = TieredStore.attach(store_name)
+    try:
+        with pytest.raises(UntrustedStoreError, match="pickle=True"):
+            reader["obj"]
+        assert not marker.exists()
+    finally:
+        reader.close()
+
+
+# Offsets of hdr_t fields (yrcache/_csrc/arena.c): magic, layout, size,
+# nbuckets, buckets_off, procs_off, pins_off, heap_off, heap_size.
+HEADER_FIELDS = {"size": 16, "nbuckets": 24, "buckets_off": 32, "procs_off": 40, "pins_off": 48,
+                 "heap_off": 56, "heap_size": 64}
+
+
+@pytest.mark.parametrize("field", sorted(HEADER_FIELDS))
+def test_forged_header_offsets_give_an_error_not_a_wild_read(store_name, field):
+    s = TieredStore(name=store_name, dram="4MiB", persist=True)
+    s["k"] = b"v"
+    s.close()
+    del s
+    gc.collect()
+    try:
+        fd = os.open(seg_path(store_name), os.O_RDWR)
+        with mmap.mmap(fd, 4096) as m:
+            off = HEADER_FIELDS[field]
+            old = int.from_bytes(m[off:off + 8], "little")
+            m[off:off + 8] = (old + (1 << 40)).to_bytes(8, "little")
+        os.close(fd)
+        # In a child: a wild read would kill it with SIGSEGV, not raise.
+        r = run_py(f"""
+            from yrcache import TieredStore, StoreNotFoundError
+            try:
+                TieredStore.attach({store_name!r})
+            except StoreNotFoundError as e:
+                print("refused:", e)
+            """)
+        assert r.returncode == 0, r.stderr
+        assert "refused:" in r.stdout and "not a usable yrcache store" in r.stdout
+    finally:
+        shm.destroy(store_name)
+
+
+# ------------------------------------------------------- process liveness
+
+
+def _fake_slot(s: TieredStore, pid: int, starttime: int) -> int:
+    """Register a process slot through a descriptor that is then closed, as a
+    process that died (or never existed) would leave it."""
+    a = s._arena
+    fd = os.open(a.path, os.O_RDWR)
+    try:
+        slot = lib.yr_proc_attach(a.base, fd, pid, starttime, 0)
+        assert slot > 0
+        kb = b"k"
+        info = ffi.new("yr_objinfo *")
+        assert lib.yr_get(a.base, slot, kb, 1, 1, info) == 0    # the "dead" process pins k
+    finally:
+        os.close(fd)
+    return slot
+
+
+def test_a_live_pid_without_the_slot_lock_is_dead(make_store):
+    """A slot recorded with a pid that is alive (ours: a reused pid) and even
+    its start time is reclaimed: only the slot's lock says a process lives."""
+    s = make_store(dram="4MiB")
+    s["k"] = b"v" * 1000
+    _fake_slot(s, os.getpid(), shm.proc_starttime())
+    st = s.stats()                     # sweeps
+    assert st["processes"] == 1, st
+    assert st["pinned_bytes"] == 0, st
+
+
+def test_zombie_and_exited_processes_are_swept(make_store, store_name):
+    """A child that attached, pinned a view and exited without detaching (a
+    zombie until reaped): its slot and pins are reclaimed before reaping."""
+    s = make_store(dram="4MiB")
+    s["k"] = np.arange(1000)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            c = TieredStore.attach(store_name)
+            v = c["k"]               # pinned
+            os.write(w, b"1")
+            del v
+        finally:
+            os._exit(0)               # no detach, no exit hooks
+    try:
+        assert os.read(r, 1) == b"1"
+        for _ in range(200):          # wait until it is a zombie (exited, not reaped)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        st = s.stats()
+        assert st["processes"] == 1, st
+        assert st["pinned_bytes"] == 0, st
+    finally:
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+
+
+def _unshare_works() -> bool:
+    if not shutil.which("unshare"):
+        return False
+    try:
+        return subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+needs_pidns = pytest.mark.skipif(
+    not _unshare_works(),
+    reason="needs `unshare --pid --fork --mount-proc` (root or user namespaces); the same lock-based "
+           "liveness is covered without namespaces by test_a_live_pid_without_the_slot_lock_is_dead")
+
+PIDNS = ["unshare", "--pid", "--fork", "--mount-proc"]
+
+
+@needs_pidns
+def test_processes_in_other_pid_namespaces_keep_their_views(make_store, store_name):
+    """Containers sharing /dev/shm see each other's pids as dead.  Neither side
+    may reclaim the other's slot or pins: a view held in the other namespace
+    stays unchanged while this side overwrites, deletes and sweeps."""
+    s = make_store(dram="8MiB")
+    s["a"] = np.full(100_000, 7, dtype=np.int64)
+    s["b"] = np.full(1000, 3, dtype=np.int64)
+    mine = s["b"]                                     # our view, across its sweep
+    child = subprocess.Popen(
+        [*PIDNS, sys.executable, "-c", textwrap.dedent(f"""
+            import sys
+            import numpy as np
+            from yrcache import TieredStore
+            s = TieredStore.attach({store_name!r})
+            v = s["a"]
+            st = s.stats()           # sweeps from inside the namespace
+            print(st["processes"], flush=True)
+            sys.stdin.readline()
+            print(int((v == 7).all()), int(v.sum()), flush=True)
+            """)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "2"      # it did not reclaim our slot
+        assert s.stats()["processes"] == 2                 # we did not reclaim its slot
+        np.testing.assert_array_equal(mine, 3)
+        del s["a"]
+        for i in range(20):                                # reuse the freed space
+            s[f"junk{i}"] = np.full(10_000, -1, dtype=np.int64)
+        s.stats()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        ok, total = child.stdout.readline().split()
+        assert ok == "1" and int(total) == 700_000, "the view in the other namespace changed"
+        assert child.wait(30) == 0, child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    del mine
