@@ -8,6 +8,8 @@ Layout of the tier directory (created owner-only, mode 0700)::
                        per object at or above ``inline_threshold``; named by a
                        random id, never by key; written once, never modified
     path/tmp/          payloads being written (``NS-PID-START-ID.tmp``)
+    path/owner.lock    the owner id of the store holding the directory (only
+                       with ``owner=``); see "One store per directory" below
 
 A put writes the payload to a temporary file, renames it into ``data/`` and
 only then commits the index record (and the ``used`` counter) in one SQLite
@@ -18,11 +20,32 @@ orphaned by a crash between rename and commit are removed by ``vacuum()``.
 
 Index records are plain bytes (a fixed ``struct`` header, then meta, then the
 inline payload or the file name), so nothing in the index is pickled.
+
+Trust.  Another local user must not be able to feed us data or read ours.
+The tier opens only a directory tree that this effective uid alone can write:
+the directory, ``index/``, ``data/``, ``data/XX/`` and ``tmp/`` must be real
+directories (not symlinks) owned by us and not group- or world-writable, and
+the same holds for the index files (``cache.db``, ``-wal``, ``-shm``) and
+``owner.lock``; anything else raises ``UntrustedStoreError``.  Directories are
+created 0700 and index files are tightened to 0600.  A payload file is opened
+without following symlinks and without blocking, and anything but a regular
+file of ours (a FIFO, device, directory, symlink, another user's file) is
+reported as ``CorruptObjectError`` before a byte is read.
+
+One store per directory.  Two stores over one directory would delete each
+other's objects.  A handle opened with ``owner=ID`` claims the directory:
+every such handle holds an open-file-description (OFD) read lock on byte 1 of
+``owner.lock`` until ``close()``, and ``owner.lock`` holds the ID.  An opener
+with another ID that finds the byte locked gets ``StoreInUseError``; byte 0 is
+write-locked briefly by each opener so that probing and claiming is atomic.
+The kernel drops the locks of a killed process, so a dead store's directory
+is free again at once.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import math
 import operator
 import os
@@ -33,12 +56,14 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from typing import Iterator, NamedTuple
 
 import diskcache
 import xxhash
 
-from ..errors import CorruptObjectError, StoreClosedError, StoreFullError
+from ..errors import (CorruptObjectError, StoreClosedError, StoreFullError, StoreInUseError,
+                      UntrustedStoreError)
 from ..sizes import format_size, parse_size
 
 __all__ = ["DiskTier", "DiskEntry", "ObjectInfo"]
@@ -308,6 +333,196 @@ def _short(key: str) -> str:
 
 
 # --------------------------------------------------------------------------
+# trust: what the tier opens must be writable by this uid alone
+
+_FIX_HINT = ("remove it or chown/chmod it; yrcache only opens directories and files "
+             "that only you can write")
+
+_KINDS = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+
+
+def _kind(mode: int) -> str:
+    for test, name in _KINDS:
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _foreign(st: os.stat_result) -> str | None:
+    """Why ``st`` is not ours alone, or None if only we can write it."""
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        return f"it belongs to another user (you are uid {euid})"
+    if st.st_mode & 0o022:
+        return "group or others may write to it"
+    return None
+
+
+def _untrusted(what: str, path: str, st: os.stat_result, why: str) -> UntrustedStoreError:
+    return UntrustedStoreError(
+        f"refusing SSD tier {what} {path} (owner uid {st.st_uid}, mode "
+        f"0o{stat.S_IMODE(st.st_mode):03o}): {why}; {_FIX_HINT}")
+
+
+def _check_dir(path: str, st: os.stat_result) -> None:
+    """Refuse a tier directory that is a symlink, or that another uid owns or may write."""
+    if stat.S_ISLNK(st.st_mode):
+        raise _untrusted("directory", path, st, "it is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"SSD tier path {path} exists and is not a directory")
+    why = _foreign(st)
+    if why:
+        raise _untrusted("directory", path, st, why)
+
+
+def _check_file(path: str, st: os.stat_result) -> None:
+    """Refuse an index or lock file that is not a regular file only we can write."""
+    if not stat.S_ISREG(st.st_mode):
+        raise _untrusted("file", path, st, f"it is {_kind(st.st_mode)}, not a regular file")
+    why = _foreign(st)
+    if why:
+        raise _untrusted("file", path, st, why)
+
+
+# --------------------------------------------------------------------------
+# one store per directory: open-file-description locks on path/owner.lock
+
+_LOCK_NAME = "owner.lock"
+# struct flock {short l_type, l_whence; off_t l_start, l_len; pid_t l_pid;}
+# as laid out on LP64 Linux (x86_64, aarch64): 32 bytes.  OFD locks need l_pid 0.
+_FLOCK = struct.Struct("hhxxxxqqixxxx")
+_F_OFD_GETLK = getattr(fcntl, "F_OFD_GETLK", 36)
+_F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
+_F_OFD_SETLKW = getattr(fcntl, "F_OFD_SETLKW", 38)
+_GATE = 0        # write-locked by an opener while it probes and claims
+_CLAIM = 1       # read-locked by every open handle of the store holding the directory
+_MAX_OWNER = 256
+
+
+def _ofd_lock(fd: int, cmd: int, ltype: int, byte: int) -> int:
+    """One OFD lock command on one byte of ``fd``; returns the answer's l_type
+    (for ``F_OFD_GETLK``: a conflicting lock's type, or ``F_UNLCK`` if none)."""
+    res = fcntl.fcntl(fd, cmd, _FLOCK.pack(ltype, os.SEEK_SET, byte, 1, 0))
+    return _FLOCK.unpack(res)[0]
+
+
+class _OwnerLock:
+    """One handle's claim on a tier directory: a read lock on byte 1 of
+    ``owner.lock``, whose content is the owner id of the claiming store.
+
+    OFD locks belong to the open file description, not to the process, so two
+    handles in one process see each other as two processes would.
+    """
+
+    def __init__(self, path: str, owner: str, tier_path: str) -> None:
+        self.path = path
+        self.fd = -1
+        self.held = False
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                st = os.lstat(path)
+                raise _untrusted("file", path, st, "it is a symbolic link") from None
+            raise
+        self.fd = fd
+        _live_locks.add(self)        # from here on, a forked child drops or re-takes it
+        try:
+            _check_file(path, os.fstat(fd))
+            self._claim(owner, tier_path)
+        except BaseException:
+            self.release()
+            raise
+
+    def _claim(self, owner: str, tier_path: str) -> None:
+        fd = self.fd
+        _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _GATE)     # serialise openers
+        try:
+            if _ofd_lock(fd, _F_OFD_GETLK, fcntl.F_WRLCK, _CLAIM) != fcntl.F_UNLCK:
+                holder = os.pread(fd, 4 * _MAX_OWNER + 1, 0).decode("utf-8", "replace").rstrip("\n")
+                if holder != owner:
+                    raise StoreInUseError(
+                        f"SSD tier directory {tier_path} is in use by another store (owner id "
+                        f"{holder!r}; this store's is {owner!r}); use one ssd= directory per "
+                        f"store, or attach to the store that has it")
+            else:                    # free (any id in the file is a closed store's)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, owner.encode() + b"\n", 0)
+            _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_RDLCK, _CLAIM)
+            self.held = True
+        finally:
+            _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _GATE)
+
+    def release(self) -> None:
+        """Drop the claim (idempotent)."""
+        fd, self.fd = self.fd, -1
+        _live_locks.discard(self)
+        if fd < 0:
+            return
+        try:
+            if self.held:
+                # Unlock explicitly rather than rely on close(): a stray copy
+                # of this fd (a child forked while this handle was opening)
+                # must not keep the directory claimed.
+                _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _CLAIM)
+        finally:
+            self.held = False
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, fd already gone
+            pass
+
+    def _reopen_in_child(self) -> None:
+        """After fork: take the claim again on a description of our own.
+
+        Otherwise the child shares the parent's description, and the parent's
+        close() (which unlocks explicitly) would drop the child's claim too.
+        """
+        old = self.fd
+        if old < 0:
+            return
+        if not self.held:            # a parent thread was opening it; not ours
+            self.fd = -1
+            _live_locks.discard(self)
+            os.close(old)
+            return
+        try:
+            try:
+                new = os.open(f"/proc/self/fd/{old}", os.O_RDWR | os.O_CLOEXEC)
+            except OSError:          # no /proc: the directory is ours, the path is safe
+                new = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                _ofd_lock(new, _F_OFD_SETLK, fcntl.F_RDLCK, _CLAIM)
+            except BaseException:
+                os.close(new)
+                raise
+        except OSError:
+            # Keep sharing the parent's description: still claimed, but this
+            # copy must never unlock it.
+            self.held = False
+            return
+        self.fd = new
+        os.close(old)                # just close: unlocking would drop the parent's claim
+
+
+_live_locks: "weakref.WeakSet[_OwnerLock]" = weakref.WeakSet()
+
+
+def _reopen_locks_in_child() -> None:
+    for lk in list(_live_locks):
+        lk._reopen_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reopen_locks_in_child)
+
+
+# --------------------------------------------------------------------------
 # the tier
 
 class DiskTier:
@@ -322,7 +537,14 @@ class DiskTier:
     index (SQLite in WAL mode) serialises writers, payload files are never
     modified after they are published.  ``capacity`` is per handle: each
     handle refuses puts that would push the shared ``used`` counter past its
-    own capacity.
+    own capacity.  Handles opened with ``owner=`` must all carry the same
+    owner id (one store per directory; see the module docstring).
+
+    Trusted: only a directory tree, index files and payload files owned by
+    this effective uid and not writable by group or others.  Refused: any
+    other directory or index file (``UntrustedStoreError`` when opening) and
+    any payload that is not such a regular file (``CorruptObjectError`` when
+    reading it).
 
     Nothing here is zero-copy (``zero_copy = False``): ``put`` copies the
     payload to disk, ``read_into`` copies it from disk into the caller's
@@ -333,7 +555,8 @@ class DiskTier:
     zero_copy = False
 
     def __init__(self, path: str | os.PathLike, capacity: int | str | None = None, *,
-                 inline_threshold: int = 64 * 1024, durable: bool = False) -> None:
+                 inline_threshold: int = 64 * 1024, durable: bool = False,
+                 owner: str | None = None) -> None:
         """Open (creating if missing, mode 0700) the tier directory ``path``.
 
         ``capacity`` bounds the payload bytes stored (an int or a size string
@@ -343,10 +566,24 @@ class DiskTier:
         switches the index to ``synchronous=FULL`` (which then sticks to the
         directory for all openers).  Stale temporary files left by dead
         writers are removed here.
+
+        ``owner``: the id shared by every process of one store.  The handle
+        then holds the directory for that owner until ``close()``; opening it
+        with another id meanwhile raises ``StoreInUseError``.  ``None`` (unit
+        tests, tools) neither takes nor checks the claim.
+
+        Raises ``UntrustedStoreError`` if the directory, a subdirectory or an
+        index file is a symlink, belongs to another uid or is writable by
+        group or others.
         """
         if isinstance(inline_threshold, bool) or not isinstance(inline_threshold, int) \
                 or inline_threshold < 0:
             raise ValueError(f"inline_threshold must be a non-negative int, got {inline_threshold!r}")
+        if owner is not None:
+            if not isinstance(owner, str):
+                raise TypeError(f"owner must be a str or None, got {type(owner).__name__}")
+            if not 0 < len(owner) <= _MAX_OWNER or not owner.isprintable():
+                raise ValueError(f"owner must be 1 to {_MAX_OWNER} printable characters, got {owner!r}")
         self._path = os.path.abspath(os.fspath(path))
         self._index_dir = os.path.join(self._path, "index")
         self._data_dir = os.path.join(self._path, "data")
@@ -354,18 +591,15 @@ class DiskTier:
         self._inline_threshold = inline_threshold
         self._durable = bool(durable)
         self._closed = False
+        self._lock: _OwnerLock | None = None
         cap = parse_size(capacity, "ssd_size")
 
         for d in (self._path, self._index_dir, self._data_dir, self._tmp_dir):
-            try:
-                os.mkdir(d, 0o700)
-            except FileExistsError:
-                if not os.path.isdir(d):
-                    raise NotADirectoryError(f"SSD tier path {d} exists and is not a directory") from None
-            except FileNotFoundError:
-                os.makedirs(d, 0o700, exist_ok=True)
-            else:
-                os.chmod(d, 0o700)   # exact mode whatever the umask
+            self._make_dir(d)
+        self._check_data_dirs()
+        self._secure_files()           # before SQLite opens them
+        if owner is not None:
+            self._lock = _OwnerLock(os.path.join(self._path, _LOCK_NAME), owner, self._path)
 
         settings = dict(
             eviction_policy="none",        # the tier decides what goes, never diskcache
@@ -377,12 +611,24 @@ class DiskTier:
         )
         if self._durable:
             settings["sqlite_synchronous"] = 2
-        self._cache = diskcache.Cache(self._index_dir, **settings)
-        self._cache.add(_USED_KEY, 0)
-        self._clean_tmp()
-        if cap is None:
-            cap = shutil.disk_usage(self._path).free + self.used
-        self._capacity = int(cap)
+        self._cache = None
+        try:
+            self._cache = diskcache.Cache(self._index_dir, **settings)
+            # SQLite creates cache.db (and its -wal, -shm) with the umask's
+            # mode; later -wal/-shm files copy cache.db's mode, so tightening
+            # it once keeps every index file 0600.
+            self._secure_files()
+            self._cache.add(_USED_KEY, 0)
+            self._clean_tmp()
+            if cap is None:
+                cap = shutil.disk_usage(self._path).free + self.used
+            self._capacity = int(cap)
+        except BaseException:
+            if self._cache is not None:
+                self._cache.close()
+            if self._lock is not None:
+                self._lock.release()
+            raise
 
     # ----------------------------------------------------------------- basics
 
@@ -433,10 +679,18 @@ class DiskTier:
         self.close()
 
     def close(self) -> None:
-        """Close this handle (idempotent); the data stays on disk."""
+        """Close this handle (idempotent); the data stays on disk.
+
+        With ``owner=``, the directory is free for another owner once every
+        handle of this owner (in any process) is closed or its process died.
+        """
         if not self._closed:
             self._closed = True
-            self._cache.close()
+            try:
+                self._cache.close()
+            finally:
+                if self._lock is not None:
+                    self._lock.release()
 
     # ------------------------------------------------------------------ writes
 
@@ -652,6 +906,40 @@ class DiskTier:
 
     # --------------------------------------------------------------- internals
 
+    def _make_dir(self, d: str) -> None:
+        """Create ``d`` mode 0700, or check that the existing one is ours alone."""
+        try:
+            os.mkdir(d, 0o700)
+        except FileNotFoundError:          # missing parents of the tier directory
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            self._make_dir(d)
+        except FileExistsError:
+            # The tier directory may be a symlink the user made: what must be
+            # ours is where it leads.  Inside it we never make symlinks.
+            _check_dir(d, os.stat(d) if d == self._path else os.lstat(d))
+        else:
+            os.chmod(d, 0o700)             # exact mode whatever the umask
+
+    def _check_data_dirs(self) -> None:
+        """Check every ``data/XX/``: payloads are renamed into them by path."""
+        with os.scandir(self._data_dir) as it:
+            for ent in it:
+                st = ent.stat(follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                    _check_dir(ent.path, st)
+
+    def _secure_files(self) -> None:
+        """Refuse index and lock files that are not ours alone; make ours 0600."""
+        db = os.path.join(self._index_dir, "cache.db")        # diskcache.core.DBNAME
+        for p in (os.path.join(self._path, _LOCK_NAME), db, db + "-wal", db + "-shm", db + "-journal"):
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            _check_file(p, st)
+            if stat.S_IMODE(st.st_mode) != 0o600:
+                os.chmod(p, 0o600)         # not a symlink (checked); nobody else can swap it
+
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError(f"SSD tier at {self._path} is closed; open a new DiskTier to use it")
@@ -710,7 +998,9 @@ class DiskTier:
         if rec.kind == _KIND_FILE:
             try:
                 os.unlink(self._file_path(rec.raw[rec.meta_end:].decode()))
-            except FileNotFoundError:
+            except (FileNotFoundError, IsADirectoryError):
+                # A directory planted in place of the payload is not ours to
+                # remove; the key is gone all the same.
                 pass
 
     def _commit(self, key: str, rec: bytes, nbytes: int, final: str | None) -> None:
@@ -739,7 +1029,7 @@ class DiskTier:
         """Write ``mv`` to a temp file, rename it to ``final``; return its xxh3_64."""
         nbytes = mv.nbytes
         tmp = os.path.join(self._tmp_dir, _tmp_prefix() + os.path.basename(final) + ".tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o600)
         except FileNotFoundError:        # tmp/ removed under us: recreate
@@ -817,11 +1107,43 @@ class DiskTier:
             return _RETRY
         return rec.raw[_HDR.size:rec.meta_end]
 
+    def _open_payload(self, key: str, fpath: str):
+        """Open payload file ``fpath`` for reading, as an unbuffered file object.
+
+        Trusted only if it is a regular file owned by us and not writable by
+        group or others, as every payload we write is; anything else (a FIFO,
+        device, directory, symlink, another user's file) is refused with
+        ``CorruptObjectError`` before a byte is read.  O_NONBLOCK makes
+        opening a FIFO return at once instead of waiting for a writer; it
+        changes nothing for regular files.  FileNotFoundError passes through.
+        """
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(fpath, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._corrupt(key, fpath, "it is a symbolic link, not a file yrcache wrote") from None
+            if exc.errno == errno.ENXIO:   # a socket, or a device with no driver
+                raise self._corrupt(key, fpath, "it is not a regular file") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._corrupt(key, fpath, f"it is {_kind(st.st_mode)}, not a regular file")
+            why = _foreign(st)
+            if why:
+                raise self._corrupt(key, fpath, f"{why} (owner uid {st.st_uid}, mode "
+                                                f"0o{stat.S_IMODE(st.st_mode):03o})")
+            return open(fd, "rb", buffering=0), st.st_size
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _read_file(self, key: str, fpath: str, mv: memoryview, rec: _Rec) -> None:
         """Fill ``mv`` from ``fpath`` and verify it; FileNotFoundError passes through."""
         nbytes = rec.nbytes
-        with open(fpath, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
+        f, size = self._open_payload(key, fpath)
+        with f:
             if size != nbytes:
                 raise self._corrupt(key, fpath, f"the file has {size} bytes, the index says {nbytes}"
                                     + (" (truncated)" if size < nbytes else ""))
