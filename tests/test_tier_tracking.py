@@ -259,3 +259,48 @@ def test_adopting_with_another_dram_size_warns(store_name):
     finally:
         shm.destroy(store_name)
     assert not seg_exists(store_name)
+
+
+# ---------------------------------------------------- one store per directory
+
+
+def test_two_stores_cannot_share_one_ssd_directory(make_store, tmp_path, store_name):
+    from yrcache import StoreInUseError
+
+    ssd = tmp_path / "ssd"
+    s = make_store(ssd=ssd)
+    s.put("mine", np.ones(10, np.uint8), tier=Tier.SSD)
+    with pytest.raises(StoreInUseError, match="one ssd= directory per store"):
+        TieredStore(name=store_name + "-b", dram="4MiB", ssd=ssd)
+    assert not seg_exists(store_name + "-b")
+    other = TieredStore.attach(store_name)        # the same store's processes share it
+    assert (other["mine"] == 1).all()
+    other.close()
+    assert (s["mine"] == 1).all()
+    s.check()
+
+
+def _ssd_owner(name, ssd, ready):
+    s = TieredStore(name=name, dram="4MiB", ssd=ssd)
+    s.put("x", np.ones(10, np.uint8), tier=Tier.SSD)
+    ready.set()
+    time.sleep(120)
+
+
+def test_ssd_directory_of_a_killed_store_can_be_taken_over(store_name, tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_ssd_owner, args=(store_name, str(tmp_path / "ssd"), ready), daemon=True)
+    p.start()
+    try:
+        try:
+            wait_or_die(ready, p, 60)
+        finally:
+            kill_and_join(p)
+        shm.destroy(store_name)          # the DRAM tier is gone; the SSD directory remains
+        s = TieredStore(name=store_name + "-new", dram="4MiB", ssd=tmp_path / "ssd")
+        assert (s.get("x", copy=True) == 1).all()      # found on the old directory
+        s.close()
+    finally:
+        shm.destroy(store_name)
+        shm.destroy(store_name + "-new")

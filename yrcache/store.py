@@ -204,7 +204,7 @@ class TieredStore(MutableMapping):
         if config.get("ssd"):
             from .tiers.disk import DiskTier
 
-            self._disk = DiskTier(config["ssd"], config.get("ssd_size"))  # TEMP until owner= lands
+            self._disk = DiskTier(config["ssd"], config.get("ssd_size"), owner=config.get("id"))
         self._mover = Mover(self._arena, self._disk, self._policy, config.get("policy") == "cache")
         self._config = config
         self._dram_capacity = self._raw_stats().capacity
