@@ -151,7 +151,7 @@ class TieredStore(MutableMapping):
         if ssd_b is not None and ssd is None:
             raise ValueError("ssd_size= needs ssd= (the directory for the SSD tier)")
         high, low = (float(w) for w in watermarks)
-        config = {"ssd": os.path.abspath(os.fspath(ssd)) if ssd is not None else None,
+        config = {"ssd": os.path.abspath(os.path.expanduser(os.fspath(ssd))) if ssd is not None else None,
                   "ssd_size": ssd_b, "policy": policy, "high": high, "low": low,
                   "promote_after": int(promote_after), "hbm": hbm_b or 0,
                   "persist": bool(persist), "id": uuid.uuid4().hex}
