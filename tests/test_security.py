@@ -99,7 +99,8 @@ def test_pickle_records_need_pickle_on_the_reading_handle(make_store, store_name
     writer["plain"] = b"bytes are fine"
     reader = TieredStore.attach(store_name)
     try:
-        for read in (lambda: reader["obj"], lambda: reader.get("obj"), lambda: reader.mget(["obj"]),
+        for read in (lambda: reader["obj"], lambda: reader.get("obj"),
+                     lambda: reader.mget(["plain", "obj", "plain", "obj"]),
                      lambda: reader.get("obj", copy=True)):
             with pytest.raises(UntrustedStoreError, match="pickle=True"):
                 read()

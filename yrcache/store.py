@@ -639,7 +639,15 @@ class TieredStore(MutableMapping):
         if rc == lib.YR_ENOPINS:
             raise YrcacheError(f"store {self.name!r} has too many live views; drop unused values")
         shm.check(rc, "mget")
-        out = [self._view(a, infos[i], kbs[i].decode()) if found[i] else None for i in range(n)]
+        out: list[Any] = []
+        try:
+            for i in range(n):
+                out.append(self._view(a, infos[i], kbs[i].decode()) if found[i] else None)
+        except BaseException:   # the failed one released its pin; release the rest
+            for j in range(len(out) + 1, n):
+                if found[j]:
+                    a.unpin(infos[j].pin)
+            raise
         out = [self.get(kbs[i].decode()) if v is _RETRY else v for i, v in enumerate(out)]
         return [codec.private_copy(v) for v in out] if copy else out
 
