@@ -1,11 +1,16 @@
 """Processes SIGKILLed at bad moments: the arena must stay consistent and
 reclaim what the dead held.
 
-Random kills (processes hammering the store) may or may not land inside the
-arena lock, so those tests assert invariants only.  Two deterministic tests
-take the arena's robust mutex in a child (through libc, at the mutex's offset
-in the arena header) and kill the child while it holds it, once with a
-consistent arena and once emulating a death inside the allocator.
+Random kills (processes hammering the store) stop the child first and read
+the arena mutex's owner word: a stopped child cannot release the lock, so the
+test knows exactly which kills landed inside it, and checks that the store
+counted one recovery for each of those (``stats()["recoveries"]``) and none
+for the others.  Until the first kill has landed inside the lock, kills look
+for one (stop, look, let it run a little, look again), so every run tests a
+death inside the critical section.  Two deterministic tests take the arena's
+robust mutex in a child (through libc, at the mutex's offset in the arena
+header) and kill the child while it holds it, once with a consistent arena
+and once emulating a death inside the allocator.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ MAGIC = np.uint64(0x5EEDC0DE12345678)
 # found at run time by its kind word; the tests check the child really holds it.
 HDR_BUCKETS_OFF = 32                # offsetof(hdr_t, buckets_off) = end of the header
 MUTEX_KIND_WORD = 4                 # int index of __kind in glibc's pthread_mutex_t
+MUTEX_LOCK_WORD = 0                 # int index of __lock: the owner's tid while the mutex is held
+FUTEX_TID_MASK = 0x3FFFFFFF
 MUTEX_ROBUST_PSHARED = 16 | 128     # PTHREAD_MUTEX_ROBUST_NORMAL_NP | PSHARED bit
 BLK_STATE_OFFSET = 16               # offsetof(blk_t, state)
 ST_FREE = 0x0F
@@ -107,6 +114,41 @@ def _mutex_addr(s: TieredStore) -> int:
     return base + found[-1]
 
 
+def _stop(p) -> None:
+    """SIGSTOP child ``p`` and wait until it has stopped.  (Read from /proc, not
+    waited for with waitpid: multiprocessing reaps the child itself.)"""
+    os.kill(p.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while True:
+        with open(f"/proc/{p.pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+        if state in (b"T", b"t"):
+            return
+        assert state not in (b"Z", b"X"), f"child {p.pid} died on its own"
+        assert time.monotonic() < deadline, f"child {p.pid} did not stop (state {state!r})"
+
+
+def kill_child(p, lock_addr: int, rng: random.Random, find_lock: bool, budget: float = 3.0) -> bool:
+    """SIGKILL child ``p``; True if it died holding the arena lock.
+
+    The child is stopped first and the mutex's owner word read: a stopped
+    child cannot take or release the lock, so the answer is measured, not
+    guessed.  With ``find_lock``, a child found outside the lock is let run a
+    little and stopped again, until it is found inside (for ``budget`` s).
+    """
+    word = ctypes.c_int.from_address(lock_addr + 4 * MUTEX_LOCK_WORD)
+    deadline = time.monotonic() + budget
+    while True:
+        _stop(p)
+        held = word.value & FUTEX_TID_MASK == p.pid
+        if held or not find_lock or time.monotonic() > deadline:
+            break
+        os.kill(p.pid, signal.SIGCONT)
+        time.sleep(rng.uniform(0, 0.0002))
+    kill_and_join(p)
+    return held
+
+
 # ------------------------------------------------- random kills, many times
 
 
@@ -140,8 +182,10 @@ def _hammer(name, seed, ready):
 
 def test_kill_hammering_processes(mp_context, make_store, store_name):
     s = make_store(dram="48MiB")
+    lock = _mutex_addr(s)
     rng = random.Random(7)
     kills = 16 if mp_context.get_start_method() == "fork" else 5
+    in_lock = 0                                    # kills that landed inside the arena lock
     for i in range(kills):
         ready = mp_context.Event()
         p = mp_context.Process(target=_hammer, args=(store_name, i, ready), daemon=True)
@@ -150,12 +194,14 @@ def test_kill_hammering_processes(mp_context, make_store, store_name):
             wait_or_die(ready, p)
             time.sleep(rng.uniform(0.002, 0.06))
             assert p.is_alive(), f"hammer child died on its own (exit code {p.exitcode})"
+            in_lock += kill_child(p, lock, rng, find_lock=not in_lock)
         finally:
             kill_and_join(p)
         assert p.exitcode == -signal.SIGKILL
         # The survivor carries on: puts and gets work, invariants hold.
-        s.put("probe", make_value(rng))
+        s.put("probe", make_value(rng))            # (recovers here if the child died in the lock)
         check_value(s["probe"])
+        assert s.stats()["recoveries"] == in_lock, (i, in_lock, s.stats())
         s.check()
         for k in s.keys(prefix="h"):
             v = s.get(k)
@@ -165,6 +211,7 @@ def test_kill_hammering_processes(mp_context, make_store, store_name):
         st = s.stats()
         assert st["pinned_bytes"] == 0 and st["processes"] == 1, (i, st)
         assert raw_stats(s).reserved == 0, i
+    assert in_lock >= 1, f"no kill of {kills} landed inside the arena lock: nothing tested recovery"
     assert_clean(s)
 
 
@@ -189,9 +236,11 @@ def _c_put_small_loop(name, ready):
 
 def test_kill_in_tight_put_small_loop(mp_context, make_store, store_name):
     s = make_store(dram="8MiB")
+    lock = _mutex_addr(s)
     rng = random.Random(11)
     kills = 24 if mp_context.get_start_method() == "fork" else 5
-    for _i in range(kills):
+    in_lock = 0                                    # kills that landed inside the arena lock
+    for i in range(kills):
         ready = mp_context.Event()
         p = mp_context.Process(target=_c_put_small_loop, args=(store_name, ready), daemon=True)
         p.start()
@@ -199,10 +248,12 @@ def test_kill_in_tight_put_small_loop(mp_context, make_store, store_name):
             wait_or_die(ready, p)
             time.sleep(rng.uniform(0.001, 0.03))
             assert p.is_alive(), f"child died on its own (exit code {p.exitcode})"
+            in_lock += kill_child(p, lock, rng, find_lock=not in_lock)
         finally:
             kill_and_join(p)
-        # Either the kill landed inside the lock (recovered on our next call) or not.
+        # A kill inside the lock is recovered on our next call, exactly once; others never.
         s.check()
+        assert s.stats()["recoveries"] == in_lock, (i, in_lock, s.stats())
         for k in list(s.keys(prefix="c")):
             v = s.get(k)
             if v is not None:
@@ -214,6 +265,7 @@ def test_kill_in_tight_put_small_loop(mp_context, make_store, store_name):
         assert bytes(s["probe"]) == b"x" * 5000
         s.stats()                                  # sweeps a reservation the dead child left
         assert raw_stats(s).reserved == 0
+    assert in_lock >= 1, f"no kill of {kills} landed inside the arena lock: nothing tested recovery"
     assert_clean(s)
 
 

@@ -9,7 +9,9 @@
   that returned before the kill is there, unchanged; a put in flight left the
   old or the new value, never a torn one; the arena is consistent, and after
   an adopt (which vacuums) the payload files on disk are exactly those of the
-  SSD-resident objects.
+  SSD-resident objects.  The child marks, in shared memory, when it is inside
+  a spill or a promotion; the parent kills it while a mark is up and reads
+  the mark after the death, so the test knows that kills did land mid-move.
 
 Children are module-level functions (``spawn`` imports this module) and write
 what they did to a log file with ``os.write`` before and after every put, so
@@ -241,10 +243,33 @@ def test_killed_owner_segment_destroyed_then_new_store_over_its_ssd(mp_context, 
 
 
 KEYS = [f"w{i}" for i in range(14)]
+IDLE, SPILL, PROMOTE = 0, 1, 2          # what the churn child is doing (its ``moving`` mark)
 
 
-def _churn(name, ssd, log_path, seed, ready, adopt):
+def _mark_moves(moving) -> None:
+    """Make this process set ``moving.value`` to SPILL / PROMOTE for the whole of
+    every spill / promotion (restoring the outer mark when they nest: a promotion
+    may spill to make room), so whoever kills it can read what it died in."""
+    from yrcache.mover import Mover
+
+    def marked(fn, mark):
+        def move(*a, **kw):
+            outer = moving.value
+            moving.value = mark
+            try:
+                return fn(*a, **kw)
+            finally:
+                moving.value = outer
+        return move
+
+    Mover.spill = marked(Mover.spill, SPILL)
+    Mover.promote = marked(Mover.promote, PROMOTE)
+
+
+def _churn(name, ssd, log_path, seed, ready, adopt, moving=None):
     """Owner (creates or adopts the store) that spills and promotes nonstop."""
+    if moving is not None:
+        _mark_moves(moving)
     if adopt:
         s = TieredStore(name=name, dram="1MiB")
     else:
@@ -319,9 +344,14 @@ def test_sigkill_in_the_middle_of_spills(cleanup_name, tmp_path):
     name, ssd = cleanup_name, str(tmp_path / "ssd")
     log_path = str(tmp_path / "log")
     rng = random.Random(1234)
-    for round_ in range(5):
+    # the move each round's kill waits for (None: kill at the random moment, wherever it lands)
+    wanted = [SPILL, PROMOTE, SPILL, PROMOTE, None]
+    died_in = []
+    for round_, want in enumerate(wanted):
         ready = ctx.Event()
-        p = ctx.Process(target=_churn, args=(name, ssd, log_path, round_, ready, round_ > 0), daemon=True)
+        moving = ctx.RawValue("i", IDLE)
+        p = ctx.Process(target=_churn, args=(name, ssd, log_path, round_, ready, round_ > 0, moving),
+                        daemon=True)
         p.start()
         try:
             deadline = time.monotonic() + 60
@@ -329,8 +359,13 @@ def test_sigkill_in_the_middle_of_spills(cleanup_name, tmp_path):
                 assert p.is_alive(), f"churn child died with code {p.exitcode}"
                 assert time.monotonic() < deadline, "churn child made no progress"
             time.sleep(rng.uniform(0.0, 0.4))
+            deadline = time.monotonic() + 3
+            while want is not None and moving.value != want and time.monotonic() < deadline:
+                pass                    # spin, not sleep: a move is over within about a millisecond
+            p.kill()
         finally:
             kill_and_join(p)
+        died_in.append(moving.value)    # frozen by the death: what the child was really doing
         assert seg_exists(name)
         s = TieredStore.attach(name)
         try:
@@ -342,6 +377,9 @@ def test_sigkill_in_the_middle_of_spills(cleanup_name, tmp_path):
             s.close()
         del s
         gc.collect()
+    # measured, not assumed: some kills did land in the middle of a move
+    assert died_in.count(SPILL) >= 1 and died_in.count(PROMOTE) >= 1, (
+        f"kills landed in {died_in} (0 idle, 1 spill, 2 promotion): not mid-spill and mid-promotion")
 
     # adopt: the adopter vacuums (nobody else is attached); then the disk holds
     # exactly one payload file per SSD-resident object

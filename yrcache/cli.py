@@ -1,7 +1,7 @@
 """The ``yrcache`` command: inspect and manage stores on this node.
 
     yrcache stat NAME          capacity, use and counters of a store
-    yrcache ls NAME [PREFIX]   keys (with tier, kind and size)
+    yrcache ls NAME [PREFIX]   keys (with tier, kind and size; --json for exact keys)
     yrcache destroy NAME       unlink a store (e.g. one left by a crashed owner)
     yrcache list               stores on this node
     yrcache example            two processes sharing a tensor zero-copy
@@ -44,22 +44,36 @@ def cmd_stat(args) -> int:
     return 0
 
 
+def display_key(key: str) -> str:
+    """``key`` safe to print in a table: control, other non-printable characters and
+    backslashes as Python backslash escapes (``\\t``, ``\\x1b``, ``\\u200b``,
+    ``\\\\``), printable unicode as is.  Distinct keys stay distinct, and no key
+    can break a line or a column, or send terminal escape sequences."""
+    if key.isprintable() and "\\" not in key:
+        return key                       # the common case, unchanged
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in key)
+
+
 def cmd_ls(args) -> int:
     from . import codec
 
     s = _open(args.name)
+    rows = []
     try:
         for key in sorted(s.keys(prefix=args.prefix or "")):
             info = s._info(key) if hasattr(s, "_info") else None
-            if info is None:
-                print(key)
+            if info is None:             # deleted since it was listed
                 continue
             meta, nbytes, tier = info
-            d = codec.describe(meta)
-            what = d["kind"] + (f" {d['dtype']}{list(d['shape'])}" if "dtype" in d else "")
-            print(f"{key}\t{tier.name.lower()}\t{format_size(nbytes)}\t{what}")
+            rows.append((key, tier.name.lower(), nbytes, codec.describe(meta)))
     finally:
         s.close()
+    if args.json:                        # exact keys: JSON escapes what needs escaping
+        print(json.dumps([{"key": k, "tier": t, "nbytes": n, **d} for k, t, n, d in rows], indent=2))
+        return 0
+    for key, tier, nbytes, d in rows:
+        what = d["kind"] + (f" {d['dtype']}{list(d['shape'])}" if "dtype" in d else "")
+        print(f"{display_key(key)}\t{tier}\t{format_size(nbytes)}\t{what}")
     return 0
 
 
@@ -78,7 +92,7 @@ def cmd_list(args) -> int:
     from .tiers import shm
 
     for name in shm.list_stores():
-        print(name)
+        print(display_key(name))        # anyone can create files in /dev/shm
     return 0
 
 
@@ -98,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     sp = sub.add_parser("ls", help="list keys of a store")
     sp.add_argument("name")
     sp.add_argument("prefix", nargs="?", default="")
+    sp.add_argument("--json", action="store_true",
+                    help="print a JSON list of {key, tier, nbytes, kind, dtype, shape} with exact keys")
     sp.set_defaults(fn=cmd_ls)
     sp = sub.add_parser("destroy", help="unlink a store's shared memory")
     sp.add_argument("name")

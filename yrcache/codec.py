@@ -70,6 +70,14 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         if not value.c_contiguous:
             value = memoryview(value.tobytes())
         return b"B", value, value.nbytes
+    if isinstance(value, np.ma.MaskedArray):
+        # Its data would be stored and its mask dropped: the value read back would
+        # show masked-out entries as if they were valid.
+        return _fallback(value, allow_pickle,
+                         "cannot store a numpy masked array: its mask would be lost; store "
+                         "value.filled(fill_value) instead, or its data and mask as two arrays "
+                         "(value.data, np.ma.getmaskarray(value)), or create the store "
+                         "with pickle=True to store it pickled, mask and all")
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in _NUMPY_KINDS or value.dtype.hasobject:
             return _fallback(value, allow_pickle,
@@ -195,3 +203,119 @@ def as_bytes_view(obj: Any) -> np.ndarray:
     if mv.readonly:
         raise ValueError("get_into needs a writable buffer (bytearray, ndarray or tensor)")
     return np.frombuffer(mv.cast("B"), dtype=np.uint8)
+
+
+# ------------------------------------------------------------------ get_into
+
+
+@lru_cache(maxsize=None)
+def _torch_twin(dt: np.dtype):
+    """torch's own equivalent of a numpy dtype (torch.from_numpy's mapping), or None."""
+    try:
+        return _torch().from_numpy(np.empty(0, dtype=dt)).dtype
+    except (TypeError, ValueError):    # no torch dtype (longdouble, datetime) or not native order
+        return None
+
+
+def _numpy_twin(tdtype):
+    """numpy's equivalent of a torch dtype, or None (bfloat16, float8 types, complex32...)."""
+    try:
+        dt = np.dtype(str(tdtype).replace("torch.", ""))
+    except TypeError:
+        return None
+    return dt if _torch_twin(dt) == tdtype else None
+
+
+def _stored_dtype(kind: bytes, dt: str):
+    """The stored dtype as numpy (kind N) or torch (kind T) sees it."""
+    if kind == b"N":
+        return np.dtype(dt)
+    tdtype = getattr(_torch(), dt, None)
+    if not isinstance(tdtype, _torch().dtype):
+        raise CorruptObjectError(f"unknown torch dtype {dt!r} in a stored value header")
+    return tdtype
+
+
+def check_into(key: str, meta: bytes, out: Any, nbytes: int) -> None:
+    """Raise unless ``out`` can receive the stored value of ``key`` (header ``meta``,
+    ``nbytes`` payload bytes) by a plain byte copy: the one check ``get_into`` makes.
+
+    ``out`` must be a contiguous writable numpy array, a contiguous torch tensor
+    (any device) or a writable buffer holding exactly ``nbytes`` bytes.  When the
+    stored value is an array or a tensor and ``out`` is one too, its shape and
+    dtype must match as well, across libraries by meaning (numpy ``float32``
+    equals ``torch.float32``; ``torch.bfloat16`` only matches itself): get_into
+    copies bytes, it never casts.  A stored bytes value, or a plain buffer
+    ``out``, is checked for its byte count only.  Pickled values are refused.
+    ValueError (TypeError for an ``out`` that is no buffer at all) says what
+    differs and what to pass.  Copies nothing; O(1).
+    """
+    where = f"get_into({key!r}): "
+    kind = meta[:1]
+    if kind == b"P":
+        raise ValueError(where + "the stored value is a pickled object, which cannot be copied into "
+                         "a buffer; read it with get()")
+    try:
+        if kind not in (b"B", b"N", b"T"):
+            raise ValueError("unknown kind")
+        desc = describe(meta)
+    except ValueError:
+        raise CorruptObjectError(f"{where}unreadable value header {meta[:80]!r}") from None
+    # Can out receive bytes in place at all?  (A non-contiguous device tensor would
+    # otherwise be written through a temporary copy and silently keep its old data.)
+    tensor_out = is_tensor(out)
+    if tensor_out:
+        if out.layout != _torch().strided:
+            raise ValueError(where + "get_into needs a dense output tensor, not a sparse one")
+        if not out.is_contiguous():
+            raise ValueError(where + "get_into needs a contiguous output tensor "
+                             "(read into a contiguous one, then copy it over)")
+        got = out.numel() * out.element_size()
+    elif isinstance(out, np.ndarray):
+        if not out.flags.c_contiguous:
+            raise ValueError(where + "get_into needs a C-contiguous output array")
+        if not out.flags.writeable:
+            raise ValueError(where + "get_into needs a writable output array")
+        got = out.nbytes
+    else:
+        try:
+            mv = memoryview(out)
+        except TypeError:
+            raise TypeError(f"{where}out must be a numpy array, a torch tensor or a writable buffer "
+                            f"(bytearray, memoryview), not {type(out).__name__}") from None
+        if mv.readonly:
+            raise ValueError(where + "get_into needs a writable buffer (bytearray, ndarray or tensor)")
+        if not mv.c_contiguous:
+            raise ValueError(where + "get_into needs a contiguous writable buffer")
+        got = mv.nbytes
+    typed = "shape" in desc and (tensor_out or isinstance(out, np.ndarray))
+    problems = []
+    if got != nbytes:
+        problems.append(f"out holds {got} bytes, the stored value {nbytes}")
+    if typed and tuple(out.shape) != desc["shape"]:
+        problems.append(f"out has shape {tuple(out.shape)}, stored {desc['shape']}")
+    want = None      # the dtype out must have, in out's own library (None: it has none)
+    cast = False     # out asks for another dtype than the stored one
+    if typed:
+        stored = _stored_dtype(kind, desc["dtype"])
+        shown = stored.name if kind == b"N" else str(stored)
+        if tensor_out:
+            want = stored if kind == b"T" else _torch_twin(stored)
+        else:
+            want = stored if kind == b"N" else _numpy_twin(stored)
+        cast = want is None or out.dtype != want
+        if cast:
+            problems.append(f"out has dtype {out.dtype}, the stored value {shown}")
+    if not problems:
+        return
+    if not typed:
+        hint = f"pass an output of {nbytes} bytes"
+    elif want is None:
+        hint = (f"{'torch' if tensor_out else 'numpy'} has no dtype {shown}: pass "
+                f"{'a numpy array' if tensor_out else 'a torch tensor'} of shape {desc['shape']} "
+                f"and dtype {shown}")
+    else:
+        hint = f"pass an output of shape {desc['shape']} and dtype {want}"
+    if cast:
+        hint += " (get_into copies bytes, it does not cast)"
+    raise ValueError(where + "; ".join(problems) + "; " + hint)

@@ -107,6 +107,16 @@ class VersionBoard:
         raw = self.store.mget([self._manifest_key(version, r) for r in range(world)])
         return [None if b is None else json.loads(bytes(b)) for b in raw]
 
+    def manifests(self, version: int) -> dict[int, dict]:
+        """Every rank manifest of ``version`` stored now, by rank (whatever world they name)."""
+        pre = f"{self.version_prefix(version)}m/"
+        keys = sorted(self.store.keys(prefix=pre))
+        out = {}
+        for k, raw in zip(keys, self.store.mget(keys)):
+            if raw is not None:          # (retired meanwhile)
+                out[int(k[len(pre):])] = json.loads(bytes(raw))
+        return out
+
     def completion(self, version: int) -> dict | None:
         """The completion marker of ``version``, or None when it is not (or no longer) visible."""
         raw = self.store.get(self._complete_key(version))

@@ -17,6 +17,9 @@ do not use keys starting with ``__rl__/`` for anything else)::
 A rank writes its parts, then its manifest; whichever rank then sees all
 ``world`` manifests writes the ``complete`` marker (idempotently) and bumps the
 futex word ``crc32(name) % 16`` of the arena, which wakes every ``wait``.
+Before writing, and again after its manifest, a rank checks that every
+manifest of the version names its own ``world`` and raises ValueError if one
+does not: ranks that disagree would wait for each other forever.
 Versions, manifests and the marker sit behind ``VersionBoard`` so they can move
 to etcd (a marker per version needs no compare-and-swap; a watch replaces the
 futex).
@@ -197,6 +200,7 @@ class WeightPublisher:
 
         if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
             self.store._ensure_cuda_pinned()   # the D2H copies below then run at pinned speed
+        self._check_world(version)              # before writing anything
         self.board.begin(version)
         nonce = uuid.uuid4().hex[:12]
         tensors, written, nbytes = {}, [], 0
@@ -218,6 +222,10 @@ class WeightPublisher:
             for k in written:
                 self.store.delete(k)
             raise
+        # Again now that our manifest is there: of two ranks racing, the later one sees
+        # the other.  Nothing is rolled back (peers of our world may already have read
+        # our manifest); the parts go when a newer version retires this one.
+        self._check_world(version)
         self.last_version = version
         visible = self._try_complete(version)
         latest = self.board.latest()
@@ -233,6 +241,20 @@ class WeightPublisher:
         self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
                                    "seconds": time.perf_counter() - t0, "complete": visible}
         return visible
+
+    def _check_world(self, version: int) -> None:
+        """Refuse a version that another rank publishes with another ``world``.
+
+        Ranks that disagree on ``world`` would each wait for a different set of
+        manifests and the version would never complete, silently.
+        """
+        for rank, m in sorted(self.board.manifests(version).items()):
+            if rank != self.rank and m.get("world") != self.world:
+                raise ValueError(
+                    f"version {version} of {self.name!r}: rank {rank} published it with world="
+                    f"{m.get('world')}, but this rank {self.rank} has world={self.world}; every rank of a "
+                    "weight set must pass the same world: fix the misconfigured rank, or publish a newer "
+                    "version if that manifest is left over from an earlier run")
 
     def _try_complete(self, version: int) -> bool:
         """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim."""
