@@ -304,3 +304,21 @@ def test_ssd_directory_of_a_killed_store_can_be_taken_over(store_name, tmp_path)
     finally:
         shm.destroy(store_name)
         shm.destroy(store_name + "-new")
+
+
+def test_get_into_checks_dtypes_across_numpy_and_torch(make_store, tmp_path):
+    torch = pytest.importorskip("torch")
+    s = make_store(ssd=tmp_path / "ssd")
+    s["np"] = np.arange(8, dtype=np.float32)
+    s["t"] = torch.arange(8, dtype=torch.float32)
+    s.put("ssd", np.arange(8, dtype=np.float32), tier=Tier.SSD)
+    for key in ("np", "t", "ssd"):
+        with pytest.raises(ValueError, match="dtype"):
+            s.get_into(key, torch.empty(8, dtype=torch.int32))     # same bytes, another dtype
+        with pytest.raises(ValueError, match="dtype"):
+            s.get_into(key, np.empty(8, dtype=np.int32))
+        out_t = s.get_into(key, torch.empty(8, dtype=torch.float32))
+        out_n = s.get_into(key, np.empty(8, dtype=np.float32))
+        assert out_t.tolist() == list(range(8)) and out_n.tolist() == list(range(8))
+        raw = s.get_into(key, bytearray(32))                        # a plain buffer: bytes only
+        assert bytes(raw) == np.arange(8, dtype=np.float32).tobytes()

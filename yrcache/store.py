@@ -655,8 +655,10 @@ class TieredStore(MutableMapping):
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
 
         One copy, straight from the arena; ``out`` must have the stored
-        number of bytes (and, for arrays and tensors, the stored shape).
-        Returns ``out``.  Raises ``KeyError`` when missing.
+        number of bytes (and, for arrays and tensors, the stored shape and
+        dtype, numpy and torch dtypes compared by meaning: it copies bytes, it
+        never casts; see ``codec.check_into``).  Returns ``out``.  Raises
+        ``KeyError`` when missing, ``ValueError`` when ``out`` does not fit.
         """
         a = self._a
         kb = key_bytes(key)
@@ -676,12 +678,16 @@ class TieredStore(MutableMapping):
                 meta = codec.tensor_meta(value.dtype, value.shape)
                 if value.device.type != "cpu":      # an HBM tensor of this process
                     if codec.is_tensor(out):
-                        _check_out(key, codec.describe(meta), out, value.numel() * value.element_size())
+                        codec.check_into(key, meta, out, value.numel() * value.element_size())
                         out.copy_(value)
                         return out
                     value = value.cpu()
+            elif isinstance(value, np.ndarray):
+                meta = codec.array_meta(value.dtype, value.shape)
             else:
-                meta = codec.array_meta(value.dtype, value.shape) if isinstance(value, np.ndarray) else b"B"
+                meta = b"B" if isinstance(value, memoryview) else b"P"
+            if meta == b"P":
+                codec.check_into(key, meta, out, 0)     # raises: a pickled object is no buffer
             _copy_out(key, meta, _as_u8(value), out)
             return out
         try:
@@ -954,35 +960,15 @@ def _iter_keys(store: TieredStore, a: shm.Arena, prefix: bytes) -> Iterator[str]
             return
 
 
-def _check_out(key: str, desc: dict, out: Any, nbytes: int) -> None:
-    """``out`` (a tensor) must hold the stored bytes, shape and dtype."""
-    if out.numel() * out.element_size() != nbytes:
-        raise ValueError(f"get_into({key!r}): out holds {out.numel() * out.element_size()} bytes, "
-                         f"the stored value {nbytes}")
-    if "shape" in desc and tuple(out.shape) != desc["shape"]:
-        raise ValueError(f"get_into({key!r}): out has shape {tuple(out.shape)}, stored {desc['shape']}")
-    if desc["kind"] == "tensor" and str(out.dtype) != f"torch.{desc['dtype']}":
-        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {desc['dtype']}; "
-                         "pass an output of the stored dtype (get_into copies bytes, it does not cast)")
-
-
 def _copy_out(key: str, meta: bytes, src: np.ndarray, out: Any) -> None:
-    desc = codec.describe(meta)
-    if codec.is_tensor(out):
-        _check_out(key, desc, out, src.nbytes)
-        if out.device.type != "cpu":
-            import torch
-            out.reshape(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
-            return
-    elif isinstance(out, np.ndarray) and "shape" in desc and out.shape != desc["shape"]:
-        raise ValueError(f"get_into({key!r}): out has shape {out.shape}, stored {desc['shape']}")
-    if desc["kind"] == "ndarray" and isinstance(out, np.ndarray) and out.dtype != np.dtype(desc["dtype"]):
-        raise ValueError(f"get_into({key!r}): out has dtype {out.dtype}, the stored value {desc['dtype']}; "
-                         "pass an output of the stored dtype (get_into copies bytes, it does not cast)")
-    dst = codec.as_bytes_view(out)
-    if dst.nbytes != src.nbytes:
-        raise ValueError(f"get_into({key!r}): out holds {dst.nbytes} bytes, the stored value {src.nbytes}")
-    np.copyto(dst, src)
+    """Copy the stored bytes ``src`` into ``out`` once ``codec.check_into`` allows it."""
+    codec.check_into(key, meta, out, src.nbytes)
+    if codec.is_tensor(out) and out.device.type != "cpu":
+        import torch
+
+        out.view(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
+        return
+    np.copyto(codec.as_bytes_view(out), src)
 
 
 _tls = threading.local()
