@@ -1379,16 +1379,14 @@ void *yr_map(int fd, uint64_t size, int populate) {
 
 int yr_unmap(void *addr, uint64_t size) { return munmap(addr, size); }
 
-int yr_prefault(void *addr, uint64_t size) {
+/* Fault every page in for writing: 0, or -errno (EFAULT or ENOMEM: the
+ * filesystem has no room for them, where a plain touch would get SIGBUS;
+ * EINVAL: a kernel older than 5.14). */
+int yr_populate_write(void *addr, uint64_t size) {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
-    if (madvise(addr, size, MADV_POPULATE_WRITE) == 0) return 0;
-    /* Older kernels: touch one byte per page. */
-    long pg = sysconf(_SC_PAGESIZE);
-    volatile char *p = (volatile char *)addr;
-    for (uint64_t i = 0; i < size; i += (uint64_t)pg) p[i] = p[i];
-    return 1;
+    return madvise(addr, size, MADV_POPULATE_WRITE) == 0 ? 0 : -errno;
 }
 
 void yr_memcpy(void *dst, const void *src, uint64_t n) { memcpy(dst, src, n); }

@@ -174,5 +174,5 @@ char *yr_config_area(void *base, uint32_t *len);   /* 4 KiB for the store's sett
 /* mapping helpers: map a shm fd MAP_SHARED and pre-fault it */
 void *yr_map(int fd, uint64_t size, int populate);
 int  yr_unmap(void *addr, uint64_t size);
-int  yr_prefault(void *addr, uint64_t size);
+int  yr_populate_write(void *addr, uint64_t size);
 void yr_memcpy(void *dst, const void *src, uint64_t n);

@@ -163,13 +163,11 @@ class Arena:
             check_trusted(st, self.path)
             self.size = st.st_size
             self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
-            if self.created:
-                self._reserve(size)
             # tmpfs: a first-touch write costs ~10x a write to a resident page,
             # so the creator faults the whole arena in once, here, not on the
             # put path.  An attacher may map every page up front too (about
             # 0.14 s per GiB), sparing it a ~1 us fault per page it touches.
-            self.base = lib.yr_map(fd, self.size, 1 if prefault else 0)
+            self.base = self._map_new(prefault) if self.created else lib.yr_map(fd, self.size, int(prefault))
             if self.base == ffi.NULL:
                 raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
             self.addr = int(ffi.cast("uintptr_t", self.base))
@@ -197,19 +195,35 @@ class Arena:
         self._handle = True   # the store handle; views hold the Arena object itself
         _arenas.add(self)
 
-    def _reserve(self, size: int) -> None:
-        """Give the new segment all its memory now, so that an over-committed
-        /dev/shm fails here with StoreFullError, not later with SIGBUS."""
+    def _map_new(self, prefault: bool):
+        """Map a new segment with all its memory given to it now, so that an
+        over-committed /dev/shm fails here with StoreFullError, not later
+        with SIGBUS at the first write (tmpfs allocates pages lazily)."""
+        if prefault:
+            base = lib.yr_map(self._fd, self.size, 0)
+            if base == ffi.NULL:
+                return base
+            rc = lib.yr_populate_write(base, self.size)
+            if rc == 0:
+                return base
+            lib.yr_unmap(base, self.size)
+            if rc != -errno.EINVAL:     # EINVAL: a kernel without MADV_POPULATE_WRITE
+                raise self._no_room("its pages could not be allocated" if rc in (-errno.EFAULT, -errno.ENOMEM)
+                                    else os.strerror(-rc))
         try:
-            os.posix_fallocate(self._fd, 0, size)
+            os.posix_fallocate(self._fd, 0, self.size)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
-            raise StoreFullError(
-                f"cannot create store {self.name!r}: {SHM_DIR} has no room for "
-                f"{format_size(size)} ({e.strerror}); choose a smaller dram=, free shared memory "
-                f"(`yrcache list`, `yrcache destroy NAME`), or enlarge {SHM_DIR}"
-            ) from None
+            raise self._no_room(e.strerror) from None
+        return lib.yr_map(self._fd, self.size, int(prefault))
+
+    def _no_room(self, why: str) -> StoreFullError:
+        return StoreFullError(
+            f"cannot create store {self.name!r}: {SHM_DIR} has no room for "
+            f"{format_size(self.size)} ({why}); choose a smaller dram=, free shared memory "
+            f"(`yrcache list`, `yrcache destroy NAME`), or enlarge {SHM_DIR}"
+        )
 
     # -------------------------------------------------------------- slots
 
