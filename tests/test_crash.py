@@ -433,7 +433,12 @@ def test_kill_during_large_put(mp_context, make_store, store_name):
         p.start()
         try:
             wait_or_die(ready, p)
-            time.sleep(delay)
+            # Kill `delay` after the copy started (its reservation shows), so on
+            # a loaded machine the kills still land inside the copy, at varied depths.
+            deadline = time.monotonic() + 10
+            while not raw_stats(s).reserved and p.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.0005)
+            time.sleep(delay / 4)
         finally:
             kill_and_join(p)
         reserved = raw_stats(s).reserved

@@ -322,3 +322,34 @@ def test_get_into_checks_dtypes_across_numpy_and_torch(make_store, tmp_path):
         assert out_t.tolist() == list(range(8)) and out_n.tolist() == list(range(8))
         raw = s.get_into(key, bytearray(32))                        # a plain buffer: bytes only
         assert bytes(raw) == np.arange(8, dtype=np.float32).tobytes()
+
+
+def _die_after_disk_write(name):
+    import signal
+
+    s = TieredStore.attach(name)
+    real = s._disk.put
+
+    def put_then_die(*args, **kw):
+        real(*args, **kw)
+        os.kill(os.getpid(), signal.SIGKILL)    # the copy is on disk, its stub not committed
+
+    s._disk.put = put_then_die
+    s.put("x", np.ones(200 * KiB, np.uint8), tier=Tier.SSD)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_writer_killed_between_disk_write_and_commit_leaves_no_stray_copy(make_store, store_name,
+                                                                          tmp_path, method):
+    s = make_store(dram="4MiB", ssd=tmp_path / "ssd")
+    ctx = multiprocessing.get_context(method)
+    p = ctx.Process(target=_die_after_disk_write, args=(store_name,), daemon=True)
+    p.start()
+    p.join(60)
+    assert p.exitcode == -9
+    assert "x" not in s
+    s.stats()                                  # sweeps the dead writer: its stub is retired...
+    assert s._disk.used == 0                   # ...and its disk copy removed, no vacuum needed
+    files = [f for _, _, fs in os.walk(tmp_path / "ssd" / "data") for f in fs]
+    assert files == []
+    s.check()

@@ -269,12 +269,15 @@ class Mover:
                 self.evict_from_ssd(self.disk.used + info.nbytes - self.disk.capacity)
             gen = new_gen()
             dk = disk_key(gen, c.key)
+            stub = self.reserve_stub(kb, meta, info, gen)
+            if stub <= 0:
+                return 0
             try:
-                self.disk.put(dk, meta, src, priority=int(info.priority), expire_at=info.expire_at or None)
-            except StoreFullError:
-                self.reclaim_expired()    # expired objects still hold SSD room
-                self.disk.put(dk, meta, src, priority=int(info.priority), expire_at=info.expire_at or None)
-            if not self._commit_stub(kb, meta, info, gen, TIER_SSD, expected=c.seq):
+                self.put_on_disk(dk, meta, src, int(info.priority), info.expire_at)
+            except BaseException:
+                lib.yr_abort(a.base, a.slot, stub)
+                raise
+            if not self.commit_stub(stub, expected=c.seq):
                 self.disk.delete(dk)
                 return 0
         finally:
@@ -282,17 +285,30 @@ class Mover:
         lib.yr_count(a.base, C_SPILLS, 1)
         return c.block_size
 
-    def _commit_stub(self, kb: bytes, meta: bytes, info, gen: int, tier: int, expected: int) -> bool:
+    def put_on_disk(self, dk: str, meta: bytes, payload, priority: int, expire_at: float) -> None:
+        try:
+            self.disk.put(dk, meta, payload, priority=priority, expire_at=expire_at or None)
+        except StoreFullError:
+            self.reclaim_expired()    # expired objects may still hold SSD room
+            self.disk.put(dk, meta, payload, priority=priority, expire_at=expire_at or None)
+
+    def reserve_stub(self, kb: bytes, meta: bytes, info, gen: int) -> int:
+        """Reserve the SSD stub of an object *before* its disk copy is written:
+        if this process dies before the commit, the sweep puts the stub on the
+        retire list and the copy goes with it.  The block, or <= 0."""
         a = self.a
         poff = ffi.new("uint64_t *")
-        off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, info.nbytes,
-                                info.priority, info.expire_at, tier, 0, gen, info.access_count, poff)
-        if off <= 0:
-            return False
+        return lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, info.nbytes,
+                                 info.priority, info.expire_at, TIER_SSD, 0, gen, info.access_count, poff)
+
+    def commit_stub(self, stub: int, expected: int) -> bool:
+        """Publish a reserved stub if the object is still ``expected``; else drop it."""
+        a = self.a
         retired = ffi.new("yr_retired *")
-        if lib.yr_commit_ex(a.base, a.slot, off, expected, retired) != 0:
-            lib.yr_abort(a.base, a.slot, off)
+        if lib.yr_commit_ex(a.base, a.slot, stub, expected, retired) != 0:
+            lib.yr_abort(a.base, a.slot, stub)
             return False
+        self.drain()     # what the stub replaced, in any tier
         return True
 
     def evict(self, c: Candidate) -> int:
@@ -498,7 +514,8 @@ class Mover:
             fake.nbytes = info.nbytes
             fake.priority = info.priority
             fake.expire_at = info.expire_at or 0.0
-            if self._commit_stub(key.encode(), bytes(info.meta), fake, gen, TIER_SSD, expected=0):
+            stub = self.reserve_stub(key.encode(), bytes(info.meta), fake, gen)
+            if stub > 0 and self.commit_stub(stub, expected=0):
                 n += 1
         return n
 

@@ -434,27 +434,21 @@ class TieredStore(MutableMapping):
         from .mover import disk_key, new_gen
 
         gen = new_gen()
-        key = kb.decode()
+        info = ffi.new("yr_objinfo *")
+        info.nbytes, info.priority, info.expire_at = nbytes, priority, expire_at
+        mover = self._mover
+        stub = mover.reserve_stub(kb, meta, info, gen)
+        if stub <= 0:
+            mover.demote(4096)      # room for the stub itself
+            stub = mover.reserve_stub(kb, meta, info, gen)
+            if stub <= 0:
+                raise self._full_error(nbytes)
         try:
-            self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
-        except StoreFullError:
-            self._mover.reclaim_expired()    # expired objects may still hold SSD room
-            self._disk.put(disk_key(gen, key), meta, payload, priority=priority, expire_at=expire_at or None)
-        stub = ffi.new("yr_objinfo *")
-        stub.nbytes, stub.priority, stub.expire_at = nbytes, priority, expire_at
-        retired = ffi.new("yr_retired *")
-        poff = ffi.new("uint64_t *")
-        for attempt in (0, 1):
-            off = lib.yr_reserve_ex(a.base, a.slot, kb, len(kb), meta, len(meta), 0, nbytes,
-                                    priority, expire_at, TIER_SSD, 0, gen, 0, poff)
-            if off > 0:
-                shm.check(lib.yr_commit_ex(a.base, a.slot, off, ANY_SEQ, retired), "commit")
-                self._mover.drain()
-                return
-            if not attempt:
-                self._mover.demote(4096)
-        self._disk.delete(disk_key(gen, key))
-        raise self._full_error(nbytes)
+            mover.put_on_disk(disk_key(gen, kb.decode()), meta, payload, priority, expire_at)
+        except BaseException:
+            lib.yr_abort(a.base, a.slot, stub)
+            raise
+        mover.commit_stub(stub, ANY_SEQ)
 
     def _fill_and_commit(self, a: shm.Arena, block: int, payload_off: int, payload: Any, nbytes: int,
                          retired) -> int:

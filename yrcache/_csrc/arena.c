@@ -45,6 +45,7 @@
 #define MAX_STATIC_PINS (1u << 24)
 
 #define TIER_DRAM 1
+#define TIER_SSD  2
 #define TIER_HBM  3
 
 /* RETIRED: a stub taken out of the index whose bytes live in a lower tier;
@@ -575,7 +576,15 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
     uint64_t off = h->heap_off;
     while (off < heap_end(h)) {
         blk_t *b = AT(h, off);
-        if (b->state == ST_RESERVED && b->owner == slot) {
+        if (b->state == ST_RESERVED && b->owner == slot && TIER_OF(b) == TIER_SSD) {
+            /* A stub reserved before its disk copy was written: the copy
+             * (if any) goes through the retire list. */
+            h->reserved--;
+            b->state = ST_RETIRED;
+            b->next = h->retired_head;
+            h->retired_head = off;
+            h->retired_count++;
+        } else if (b->state == ST_RESERVED && b->owner == slot) {
             /* free_block may merge into the previous free block: continue
              * after whichever block now covers `off`. */
             uint64_t start = off;
