@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def store_name():
     name = f"test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
     yield name
     gc.collect()
-    if shm.destroy(name):
+    if dram.destroy(name):
         pytest.fail(f"test left shared memory behind: /dev/shm/yrcache.{name}")
 
 

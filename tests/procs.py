@@ -15,11 +15,11 @@ import traceback
 
 import pytest
 
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 
 
 def seg_path(name: str) -> str:
-    return f"{shm.SHM_DIR}{shm.shm_name(name)}"
+    return f"{dram.SHM_DIR}{dram.shm_name(name)}"
 
 
 def seg_exists(name: str) -> bool:

@@ -27,8 +27,7 @@ import numpy as np
 import pytest
 
 from yrcache import TieredStore
-from yrcache._arena import ffi, lib
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import finish, kill_and_join, seg_exists, start, wait_or_die  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
@@ -71,9 +70,7 @@ def check_value(v) -> int:
 
 def raw_stats(s: TieredStore):
     """Arena counters without the sweep that ``stats()`` does first."""
-    out = ffi.new("yr_stats *")
-    assert lib.yr_get_stats(s._arena.base, out) == 0
-    return out
+    return s._arena.stats()
 
 
 def assert_clean(s: TieredStore) -> None:
@@ -219,18 +216,17 @@ def _c_put_small_loop(name, ready):
     """Tiny puts straight through the C core: most of the time is spent inside the lock."""
     s = TieredStore.attach(name)
     a = s._arena
-    buf = ffi.new("char[]", 65536)
+    buf = bytearray(65536)
     keys = [f"c{i}".encode() for i in range(16)]
     i = 0
     ready.set()
     while True:
         k = keys[i % 16]
         n = 1024 + (i * 4099) % 64000
-        ffi.memmove(buf, bytes([i % 251 + 1]) * n, n)
-        rc = lib.yr_put_small(a.base, a.slot, k, len(k), b"B", 1, buf, n, 0, 0.0)
-        assert rc == 0 or rc == lib.YR_ENOSPC, rc
+        buf[:n] = bytes([i % 251 + 1]) * n
+        a.put_small(k, b"B", memoryview(buf)[:n], n, 0, 0.0)   # None (no room) is fine too
         if i % 3 == 0:
-            lib.yr_delete(a.base, keys[(i * 7) % 16], len(keys[(i * 7) % 16]))
+            a.delete(keys[(i * 7) % 16])
         i += 1
 
 
@@ -334,8 +330,7 @@ def test_recovery_after_death_inside_free_block(mp_context, make_store, store_na
     s["b"] = b"b" * 1000
     s["c"] = b"c" * 1000
     assert s.delete("a")
-    info = ffi.new("yr_objinfo *")
-    assert lib.yr_get(s._arena.base, s._arena.slot, b"b", 1, 0, info) == 0
+    info = s._arena.get(b"b", 0)
     block_b = info.block_off
     s.check()
     ready = mp_context.Event()
@@ -572,7 +567,7 @@ def test_owner_killed_segment_survives_and_can_be_adopted(mp_context, store_name
         gc.collect()
         assert not seg_exists(store_name), "the adopter owns the store: its close unlinks it"
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 def _owner_with_forked_helper(name, ready):
@@ -611,7 +606,7 @@ def test_forked_helper_close_does_not_mark_owner_closed(store_name):
         gc.collect()
         survived = seg_exists(store_name)
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
     assert survived, "the attached process's close unlinked a crashed owner's store"
 
 
@@ -648,4 +643,4 @@ def test_owner_close_with_a_killed_attacher_leaves_nothing(mp_context, store_nam
         gc.collect()
         assert not seg_exists(store_name), "the new owner's close unlinks the store"
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)

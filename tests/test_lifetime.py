@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from yrcache import StoreClosedError, StoreFullError, StoreNotFoundError, TieredStore
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import seg_exists
 
 
@@ -61,7 +61,7 @@ def test_persist_keeps_the_store_until_destroy(store_name, tmp_path):
         assert cli.returncode == 0, cli.stderr
         assert not seg_exists(store_name)
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 def test_adopter_may_turn_persistence_off(store_name):
@@ -72,7 +72,7 @@ def test_adopter_may_turn_persistence_off(store_name):
         adopter.close()
         assert not seg_exists(store_name)
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 def test_sigkilled_owner_still_leaves_its_segment(store_name, tmp_path):
@@ -89,7 +89,7 @@ def test_sigkilled_owner_still_leaves_its_segment(store_name, tmp_path):
         assert bytes(s["k"]) == b"survives"
         s.close()
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 DATALOADER = """
@@ -130,7 +130,7 @@ def test_dataloader_with_persistent_workers_leaves_no_segment(store_name, tmp_pa
         assert r.returncode == 0 and "done" in r.stdout, r.stderr
         assert not seg_exists(store_name), "DataLoader workers kept the segment after the script ended"
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 # ------------------------------------------------------ tmpfs cannot back it
@@ -155,14 +155,14 @@ def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, pre
     script.write_text(textwrap.dedent(f"""
         import numpy as np
         from yrcache import TieredStore, StoreFullError
-        from yrcache.tiers import shm
+        from yrcache.tiers import dram
         a = TieredStore(name="a", dram="12MiB", prefault={prefault})
         try:
             TieredStore(name="b", dram="12MiB", prefault={prefault})
         except StoreFullError as e:
             print("refused:", e)
         try:    # below the free-space check: the segment itself must not over-commit
-            shm.Arena("c", create=True, size=12 << 20, prefault={prefault})
+            dram.Arena("c", create=True, size=12 << 20, prefault={prefault})
         except StoreFullError as e:
             print("refused:", e)
         a["x"] = np.ones(10 << 20, dtype=np.uint8)    # every page of a's heap is backed
@@ -182,7 +182,7 @@ def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, pre
 
 
 def test_store_larger_than_free_shm_is_refused(store_name):
-    free = os.statvfs(shm.SHM_DIR)
+    free = os.statvfs(dram.SHM_DIR)
     too_big = free.f_bavail * free.f_frsize + (1 << 30)
     with pytest.raises((StoreFullError, ValueError)):
         TieredStore(name=store_name, dram=too_big)

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from yrcache import StoreNotFoundError, TieredStore
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import finish, kill_all, seg_exists, start  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
@@ -379,7 +379,7 @@ def test_old_attachment_does_not_unlink_recreated_store(mp_context, make_store, 
         if new is not None:
             new.close()
         gc.collect()
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 def test_view_outlives_close_in_process(make_store, store_name):
@@ -455,7 +455,7 @@ def test_forked_child_does_not_leak_segment_after_owner_close(make_store, store_
         leaked = seg_exists(store_name)
     finally:
         kill_all([p])
-        shm.destroy(store_name)
+        dram.destroy(store_name)
     assert not leaked, ("segment leaked: the forked child's after-fork slot (inherited, never "
                         "used, never closed) kept it alive past the last close")
 

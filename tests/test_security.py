@@ -20,7 +20,7 @@ import pytest
 
 from yrcache import TieredStore, Tier, UntrustedStoreError
 from yrcache._arena import ffi, lib
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import seg_path
 
 NOBODY = 65534
@@ -66,7 +66,7 @@ def test_foreign_segment_is_refused_and_never_unpickled(store_name, tmp_path, ho
                 TieredStore.attach(store_name, pickle=True)
         assert not marker.exists()
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o660, 0o606, 0o666])
@@ -81,7 +81,7 @@ def test_own_segment_open_to_others_is_refused(store_name, mode):
         with pytest.raises(PermissionError):     # the builtin a caller may already catch
             TieredStore(name=store_name)
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 def test_segments_are_created_owner_only(make_store, store_name):
@@ -159,7 +159,7 @@ def test_forged_header_offsets_give_an_error_not_a_wild_read(store_name, field):
         assert r.returncode == 0, r.stderr
         assert "refused:" in r.stdout and "not a usable yrcache store" in r.stdout
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 # ------------------------------------------------------- process liveness
@@ -175,7 +175,7 @@ def _fake_slot(s: TieredStore, pid: int, starttime: int) -> int:
         assert slot > 0
         kb = b"k"
         info = ffi.new("yr_objinfo *")
-        assert lib.yr_get(a.base, slot, kb, 1, 1, info) == 0    # the "dead" process pins k
+        assert lib.yr_get(a.base, slot, kb, 1, lib.YR_PIN, info) == 0    # the "dead" process pins k
     finally:
         os.close(fd)
     return slot
@@ -186,7 +186,7 @@ def test_a_live_pid_without_the_slot_lock_is_dead(make_store):
     its start time is reclaimed: only the slot's lock says a process lives."""
     s = make_store(dram="4MiB")
     s["k"] = b"v" * 1000
-    _fake_slot(s, os.getpid(), shm.proc_starttime())
+    _fake_slot(s, os.getpid(), dram.proc_starttime())
     st = s.stats()                     # sweeps
     assert st["processes"] == 1, st
     assert st["pinned_bytes"] == 0, st

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from yrcache import Tier, TieredStore
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import get_report, kill_and_join, seg_exists, child_entry  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
@@ -75,7 +75,7 @@ def cleanup_name(store_name):
     """``store_name``, destroyed however the test ends (conftest then checks it is gone)."""
     yield store_name
     gc.collect()
-    shm.destroy(store_name)
+    dram.destroy(store_name)
 
 
 # ----------------------------------------------- owner killed, then re-attach
@@ -227,7 +227,7 @@ def test_killed_owner_segment_destroyed_then_new_store_over_its_ssd(mp_context, 
         tiers = get_report(p, q)
     finally:
         kill_and_join(p)
-    assert shm.destroy(name)            # like `yrcache destroy NAME`: the DRAM tier is gone
+    assert dram.destroy(name)            # like `yrcache destroy NAME`: the DRAM tier is gone
     on_ssd = sorted(k for k, t in tiers.items() if t == Tier.SSD)
     s = TieredStore(name=name, dram="1MiB", ssd=ssd)
     try:

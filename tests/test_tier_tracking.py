@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from yrcache import CorruptObjectError, StoreFullError, Tier, TieredStore
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 from procs import finish, kill_and_join, seg_exists, start, wait_or_die
 
 KiB, MiB = 1024, 1024 * 1024
@@ -169,7 +169,7 @@ def test_hbm_stubs_of_a_dead_owner_are_swept(store_name, method):
         s.check()
         s.close()
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
 
 
 # -------------------------------------------------------------------- pins
@@ -257,7 +257,7 @@ def test_adopting_with_another_dram_size_warns(store_name):
         assert adopter.stats()["tiers"]["dram"]["capacity"] < 4 * MiB
         adopter.close()
     finally:
-        shm.destroy(store_name)
+        dram.destroy(store_name)
     assert not seg_exists(store_name)
 
 
@@ -297,13 +297,13 @@ def test_ssd_directory_of_a_killed_store_can_be_taken_over(store_name, tmp_path)
             wait_or_die(ready, p, 60)
         finally:
             kill_and_join(p)
-        shm.destroy(store_name)          # the DRAM tier is gone; the SSD directory remains
+        dram.destroy(store_name)          # the DRAM tier is gone; the SSD directory remains
         s = TieredStore(name=store_name + "-new", dram="4MiB", ssd=tmp_path / "ssd")
         assert (s.get("x", copy=True) == 1).all()      # found on the old directory
         s.close()
     finally:
-        shm.destroy(store_name)
-        shm.destroy(store_name + "-new")
+        dram.destroy(store_name)
+        dram.destroy(store_name + "-new")
 
 
 def test_get_into_checks_dtypes_across_numpy_and_torch(make_store, tmp_path):

@@ -32,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import yrcache.store
 from yrcache import StoreFullError, Tier, TieredStore
-from yrcache.tiers import shm
+from yrcache.tiers import dram
 
 torch = pytest.importorskip("torch")
 
@@ -104,7 +104,7 @@ class TieredModel(RuleBasedStateMachine):
             if getattr(self, "store", None) is not None:
                 self.store.destroy()
         finally:
-            shm.destroy(self.name)
+            dram.destroy(self.name)
             shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------ helpers

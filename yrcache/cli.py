@@ -55,17 +55,15 @@ def display_key(key: str) -> str:
 
 
 def cmd_ls(args) -> int:
-    from . import codec
-
     s = _open(args.name)
     rows = []
     try:
         for key in sorted(s.keys(prefix=args.prefix or "")):
-            info = s._info(key) if hasattr(s, "_info") else None
+            info = s.info(key)
             if info is None:             # deleted since it was listed
                 continue
-            meta, nbytes, tier = info
-            rows.append((key, tier.name.lower(), nbytes, codec.describe(meta)))
+            d = {k: info[k] for k in ("kind", "dtype", "shape") if k in info}
+            rows.append((key, info["tier"].name.lower(), info["nbytes"], d))
     finally:
         s.close()
     if args.json:                        # exact keys: JSON escapes what needs escaping
@@ -78,10 +76,10 @@ def cmd_ls(args) -> int:
 
 
 def cmd_destroy(args) -> int:
-    from .tiers import shm
+    from .tiers import dram
 
-    shm.check_name(args.name)
-    if not shm.destroy(args.name):
+    dram.check_name(args.name)
+    if not dram.destroy(args.name):
         print(f"yrcache: no store named {args.name!r} on this node", file=sys.stderr)
         return 1
     print(f"destroyed {args.name}")
@@ -89,9 +87,9 @@ def cmd_destroy(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .tiers import shm
+    from .tiers import dram
 
-    for name in shm.list_stores():
+    for name in dram.list_stores():
         print(display_key(name))        # anyone can create files in /dev/shm
     return 0
 

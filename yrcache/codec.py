@@ -319,3 +319,23 @@ def check_into(key: str, meta: bytes, out: Any, nbytes: int) -> None:
     if cast:
         hint += " (get_into copies bytes, it does not cast)"
     raise ValueError(where + "; ".join(problems) + "; " + hint)
+
+
+def copy_bytes(src: np.ndarray, out: Any) -> None:
+    """Copy flat uint8 ``src`` into ``out`` (after ``check_into`` allowed it):
+    one copy, to any device."""
+    if is_tensor(out) and out.device.type != "cpu":
+        torch = _torch()
+        out.view(-1).view(torch.uint8).copy_(torch.from_numpy(src), non_blocking=False)
+        return
+    np.copyto(as_bytes_view(out), src)
+
+
+def flat_bytes(value: Any) -> np.ndarray:
+    """A flat uint8 view of a value returned by ``get`` (no copy; a device tensor comes to the host)."""
+    if isinstance(value, np.ndarray):
+        return value.reshape(-1).view(np.uint8)
+    if is_tensor(value):
+        return as_bytes_view(value.cpu() if value.device.type != "cpu" else value)
+    return np.frombuffer(value, dtype=np.uint8)
+

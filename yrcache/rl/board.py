@@ -3,7 +3,7 @@
 ``VersionBoard`` records which ranks published which version, marks complete
 versions, retires old ones and wakes waiters.  This implementation keeps JSON
 manifests in the store itself (under ``__rl__/<name>/``) and wakes waiters with
-a futex word of the arena; the interface is small on purpose so that it can
+the store's named word ``rl/<name>``; the interface is small on purpose so that it can
 move to etcd (a marker per version needs no compare-and-swap; a watch replaces
 the futex).  ``merge_manifests`` turns the ranks' manifests of one version into
 the global shape and parts of every tensor.
@@ -12,7 +12,6 @@ the global shape and parts of every tensor.
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -35,8 +34,8 @@ class VersionBoard:
     """The version manifest of one weight set: which versions exist and what they hold.
 
     This local implementation keeps JSON manifests as bytes values in the
-    store under ``__rl__/<name>/`` and wakes waiters with the arena futex word
-    ``crc32(name) % 16``.  The interface is small on purpose so that an etcd
+    store under ``__rl__/<name>/`` and wakes waiters with the store's named
+    word ``rl/<name>`` (``TieredStore.word``).  The interface is small on purpose so that an etcd
     implementation (markers as keys, a watch for wake-ups) can replace it.
     """
 
@@ -44,7 +43,7 @@ class VersionBoard:
         self.store = store
         self.name = _check_name(name)
         self.prefix = f"{RESERVED_PREFIX}{name}/"
-        self.word = zlib.crc32(name.encode()) % 16
+        self._word = None
         self._latest: tuple[int, int | None] | None = None   # (token, latest) cache
 
     # ---------------------------------------------------------------- keys
@@ -148,17 +147,24 @@ class VersionBoard:
         return max(cands) if cands else None
 
     # -------------------------------------------------------------- waking
+    @property
+    def wake_word(self):
+        """This weight set's own named word of the store (no other name shares it)."""
+        if self._word is None:
+            self._word = self.store.word(f"rl/{self.name}")
+        return self._word
+
     def token(self) -> int:
         """The current wake-up counter; read it *before* checking, then ``wait_change``."""
-        return self.store._a.notify_value(self.word)
+        return self.wake_word.seq
 
     def wait_change(self, seen: int, timeout: float | None) -> bool:
         """Sleep until the counter differs from ``seen``; False on timeout."""
-        return self.store._a.notify_wait(self.word, seen, timeout)
+        return self.wake_word.wait(seen, timeout)
 
     def wake(self) -> None:
         """Bump the counter and wake every waiter."""
-        self.store._a.notify_wake(self.word)
+        self.wake_word.wake()
 
 
 class _Tensor(NamedTuple):

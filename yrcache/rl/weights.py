@@ -16,7 +16,7 @@ do not use keys starting with ``__rl__/`` for anything else)::
 
 A rank writes its parts, then its manifest; whichever rank then sees all
 ``world`` manifests writes the ``complete`` marker (idempotently) and bumps the
-futex word ``crc32(name) % 16`` of the arena, which wakes every ``wait``.
+store's named word ``rl/<name>`` (``TieredStore.word``), which wakes every ``wait``.
 Before writing, and again after its manifest, a rank checks that every
 manifest of the version names its own ``world`` and raises ValueError if one
 does not: ranks that disagree would wait for each other forever.
@@ -199,7 +199,7 @@ class WeightPublisher:
             sources.append((t, src, dim))
 
         if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
-            self.store._ensure_cuda_pinned()   # the D2H copies below then run at pinned speed
+            self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         self._check_world(version)              # before writing anything
         self.board.begin(version)
         nonce = uuid.uuid4().hex[:12]

@@ -1,16 +1,11 @@
 """HBM tier: torch tensors on one device, held by the process that put them.
 
 Device memory belongs to a process (its CUDA context), so this tier is a
-per-process table ``key -> tensor``.  The arena's index holds a *stub* for
-every HBM object (size, codec header, priority, the owner's process slot),
-so every process on the node sees the key, its size and its tier.
-
-How another process reads an HBM object: its ``get`` marks the stub
-"wanted" and wakes the owner through a futex word in the arena; a small
-service thread in the owner copies the tensor into the DRAM arena (one D2H
-copy into an arena block) and replaces the stub, after which the reader gets
-the usual zero-copy DRAM view.  If the owner dies, its device memory dies
-with it: the next sweep removes its stubs.
+per-process table ``generation -> tensor`` (``shared = False``).  The arena's
+index holds a stub for every HBM object (size, codec header, priority, the
+holder's process slot and the generation), so every process on the node sees
+the key, its size and its tier; ``hbm.py`` is the protocol by which another
+process reads one.
 
 Tests run this tier with ``device="cpu"``: the same code, with host memory
 standing in for HBM.
@@ -20,14 +15,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
+import numpy as np
 
-class DeviceObject(NamedTuple):
-    tensor: Any          # contiguous tensor on the tier's device
-    meta: bytes
-    seq: int             # the arena stub's sequence number
-    priority: int
+from .. import codec
+from ..errors import StoreFullError
+from ..sizes import format_size
+from .base import BlobInfo, BlobTier
 
 
 def _torch():
@@ -38,16 +33,31 @@ def _torch():
     return torch
 
 
-class DeviceTier:
+class _Blob(NamedTuple):
+    tensor: Any          # contiguous tensor on the tier's device
+    info: BlobInfo
+
+
+def _check_gen(gen: Any) -> int:
+    if type(gen) is not int:
+        raise TypeError(f"a generation is an int, not {type(gen).__name__}")
+    if not 0 < gen < 1 << 63:
+        raise ValueError(f"a generation is in 1..2**63-1, got {gen}")
+    return gen
+
+
+class DeviceTier(BlobTier):
     """Tensors on ``device`` up to ``capacity`` bytes, private to this process.
 
-    ``put`` keeps a device-to-device copy of the tensor (no host copy), so a
-    caller changing its own tensor later cannot change the stored object.
-    Thread-safe.
+    ``put`` keeps a copy on the device (device-to-device from a device
+    tensor, host-to-device from host bytes), so a caller changing its own
+    tensor later cannot change the stored object.  ``get`` returns the stored
+    tensor itself (zero-copy).  Thread-safe.
     """
 
     name = "hbm"
     zero_copy = True
+    shared = False
 
     def __init__(self, device: str, capacity: int):
         torch = _torch()
@@ -57,92 +67,95 @@ class DeviceTier:
             raise ValueError(f"device={device!r} is not a torch device ({e}); use e.g. 'cuda:0' or 'cpu'") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise RuntimeError(f"device={device!r} but CUDA is not available; use device='cpu' or drop hbm=")
-        self.capacity = int(capacity)
-        self.used = 0
-        self._objects: dict[str, DeviceObject] = {}
-        self._lock = threading.RLock()
+        self._capacity = int(capacity)
+        self._used = 0
+        self._blobs: dict[int, _Blob] = {}
+        self._lock = threading.Lock()
 
     @property
-    def objects(self) -> int:
-        return len(self._objects)
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._used
 
     def holds(self, value: Any) -> bool:
         """Is ``value`` a tensor already on this tier's device?"""
+        return codec.is_tensor(value) and value.device == self.device
+
+    def put(self, gen: int, meta: bytes, payload: Any, *, key: str, priority: int = 0,
+            expire_at: float | None = None) -> None:
+        """Keep a device copy of ``payload`` (a tensor, or host bytes described by ``meta``)."""
+        _check_gen(gen)
         torch = _torch()
-        return isinstance(value, torch.Tensor) and value.device == self.device
-
-    def fits(self, nbytes: int) -> bool:
-        return self.used + nbytes <= self.capacity
-
-    def store(self, key: str, tensor: Any, meta: bytes, seq: int, priority: int) -> None:
-        """Record ``tensor`` (already a private device copy) as the object ``seq`` of ``key``."""
-        nbytes = tensor.numel() * tensor.element_size()
+        if codec.is_tensor(payload):
+            src = payload.detach()
+        else:   # host bytes: rebuild the tensor they encode (no copy), then copy it over
+            src = codec.decoder(meta)(memoryview(payload).cast("B"), memoryview(payload).nbytes)
+        nbytes = src.numel() * src.element_size()
         with self._lock:
-            old = self._objects.pop(key, None)
-            if old is not None:
-                self.used -= old.tensor.numel() * old.tensor.element_size()
-            self._objects[key] = DeviceObject(tensor, meta, seq, priority)
-            self.used += nbytes
-
-    def copy_in(self, value: Any) -> Any:
-        """A private contiguous copy of ``value`` on the device (D2D, or H2D)."""
-        t = value.detach()
-        out = _torch().empty(t.shape, dtype=t.dtype, device=self.device)
-        out.copy_(t)
-        return out
-
-    def get(self, key: str, seq: int) -> Any | None:
-        """The tensor of object ``seq`` of ``key`` if this process holds it."""
-        obj = self._objects.get(key)
-        return obj.tensor if obj is not None and obj.seq == seq else None
-
-    def drop(self, key: str, seq: int | None = None) -> None:
-        """Forget ``key`` (only the object ``seq`` when given)."""
+            if gen in self._blobs:
+                raise ValueError(f"generation {gen:#x} is already stored; a new copy takes a new generation")
+            if self._used + nbytes > self._capacity:
+                raise StoreFullError(
+                    f"HBM tier on {self.device} is full: {format_size(self._used)} of "
+                    f"{format_size(self._capacity)} used, {format_size(nbytes)} more do not fit; "
+                    "raise hbm= or put the tensor in DRAM")
+            self._used += nbytes     # claimed before the copy, which runs unlocked
+        try:
+            t = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            t.copy_(src)
+        except BaseException:
+            with self._lock:
+                self._used -= nbytes
+            raise
+        info = BlobInfo(gen, key, bytes(meta), nbytes, int(priority), expire_at, time.time())
         with self._lock:
-            obj = self._objects.get(key)
-            if obj is not None and (seq is None or obj.seq == seq):
-                del self._objects[key]
-                self.used -= obj.tensor.numel() * obj.tensor.element_size()
+            self._blobs[gen] = _Blob(t, info)
 
-    def items(self) -> list[tuple[str, DeviceObject]]:
+    def get(self, gen: int) -> Any | None:
+        """The stored tensor itself (zero-copy), or None."""
+        blob = self._blobs.get(gen)
+        return blob.tensor if blob is not None else None
+
+    def read_into(self, gen: int, out: Any) -> bytes:
+        """Copy blob ``gen`` into ``out`` (a tensor on any device, or a host buffer)."""
+        blob = self._blobs.get(_check_gen(gen))
+        if blob is None:
+            raise KeyError(gen)
+        t = blob.tensor
+        if codec.is_tensor(out):
+            if out.numel() * out.element_size() != blob.info.nbytes:
+                raise ValueError(f"out holds {out.numel() * out.element_size()} bytes, blob "
+                                 f"{gen:#x} has {blob.info.nbytes}")
+            out.view(-1).view(_torch().uint8).copy_(t.reshape(-1).view(_torch().uint8))
+            return blob.info.meta
+        dst = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        if dst.nbytes != blob.info.nbytes:
+            raise ValueError(f"out holds {dst.nbytes} bytes, blob {gen:#x} has {blob.info.nbytes}")
+        if dst.nbytes:
+            _torch().from_numpy(dst).copy_(t.reshape(-1).view(_torch().uint8))
+        return blob.info.meta
+
+    def delete(self, gen: int, *, later: Callable[[str], None] | None = None) -> bool:
         with self._lock:
-            return list(self._objects.items())
+            blob = self._blobs.pop(_check_gen(gen), None)
+            if blob is not None:
+                self._used -= blob.info.nbytes
+        return blob is not None
+
+    def info(self, gen: int) -> BlobInfo | None:
+        blob = self._blobs.get(_check_gen(gen))
+        return blob.info if blob is not None else None
+
+    def entries(self) -> Iterator[BlobInfo]:
+        with self._lock:
+            infos = [b.info for b in self._blobs.values()]
+        return iter(infos)
 
     def clear(self) -> None:
+        """Forget every tensor (the device memory goes with the last reference)."""
         with self._lock:
-            self._objects.clear()
-            self.used = 0
-
-
-class DemotionService:
-    """Owner-side thread: serves other processes' reads of HBM objects.
-
-    Sleeps on futex word ``req`` of the arena; on a wake it demotes every
-    stub marked wanted, drops tensors whose stub is gone (deleted or
-    overwritten elsewhere), then bumps word ``done``.
-    """
-
-    def __init__(self, serve, arena, req: int, done: int):
-        self._serve = serve
-        self._arena = arena
-        self._req, self._done = req, done
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="yrcache-hbm", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        a = self._arena
-        while not self._stop.is_set():
-            seen = a.notify_value(self._req)
-            try:
-                if self._serve():
-                    a.notify_wake(self._done)
-            except Exception:   # keep serving; a failed demotion leaves the stub as it was
-                time.sleep(0.01)
-            a.notify_wait(self._req, seen, 0.5)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._arena.notify_wake(self._req)
-        self._thread.join(5)
-        self._arena = None
+            self._blobs.clear()
+            self._used = 0

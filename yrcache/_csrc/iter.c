@@ -1,0 +1,156 @@
+/* Iteration (keys, scans for the placement policy), statistics and expiry.
+ * Iterations take the lock once per batch of buckets, so other processes
+ * keep working; a bucket is copied out whole or not at all, so a resumed
+ * iteration never repeats a key. */
+#include "internal.h"
+
+static inline int has_prefix(blk_t *b, const char *prefix, uint32_t plen) {
+    return b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0;
+}
+
+int64_t yr_keys(void *base, uint64_t *cursor, const char *prefix, uint32_t plen, char *buf,
+                uint64_t buflen, uint64_t *need) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int64_t n = 0;
+    uint64_t pos = 0, i = *cursor;
+    for (; i < h->nbuckets; i++) {
+        uint64_t want = 0, cnt = 0;
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (has_prefix(b, prefix, plen) && !expired(b, now) && !INTERNAL(b)) {
+                want += 4 + b->klen;
+                cnt++;
+            }
+        }
+        if (!cnt) continue;
+        if (pos + want > buflen) {
+            if (n == 0) { *need = want; unlock(h); return YR_EBUFFER; }
+            break;
+        }
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (has_prefix(b, prefix, plen) && !expired(b, now) && !INTERNAL(b)) {
+                memcpy(buf + pos, &b->klen, 4);
+                memcpy(buf + pos + 4, KEY(b), b->klen);
+                pos += 4 + b->klen;
+                n++;
+            }
+        }
+    }
+    *cursor = i < h->nbuckets ? i : 0;
+    unlock(h);
+    return n;
+}
+
+static inline int scanned(blk_t *b, uint32_t tiers, double now) {
+    return !expired(b, now) && !INTERNAL(b) && TIER_OF(b) < 32 && ((tiers >> TIER_OF(b)) & 1);
+}
+
+int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, uint32_t maxrecs,
+                char *keybuf, uint64_t keybuflen, uint64_t *need) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    uint32_t n = 0;
+    uint64_t pos = 0, i = *cursor;
+    for (; i < h->nbuckets; i++) {
+        uint64_t cnt = 0, want = 0;
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (scanned(b, tiers, now)) {
+                cnt++;
+                want += b->klen;
+            }
+        }
+        if (!cnt) continue;
+        if (n + cnt > maxrecs || pos + want > keybuflen) {
+            if (n == 0) {
+                *need = cnt > maxrecs ? cnt : want;
+                unlock(h);
+                return YR_EBUFFER;
+            }
+            break;
+        }
+        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            blk_t *b = AT(h, off);
+            if (!scanned(b, tiers, now)) continue;
+            yr_scanrec *r = &recs[n++];
+            r->seq = b->seq;
+            r->nbytes = b->nbytes;
+            r->block_size = b->size;
+            r->priority = b->priority;
+            r->access_count = b->access_count;
+            r->last_access = b->last_access;
+            r->expire_at = b->expire_at;
+            r->gen = b->gen;
+            r->tier = TIER_OF(b);
+            r->pins = b->pins;
+            r->key_pos = (uint32_t)pos;
+            r->klen = b->klen;
+            r->holder = HOLDER_OF(b);
+            r->flags = FLAGS_OF(b);
+            memcpy(keybuf + pos, KEY(b), b->klen);
+            pos += b->klen;
+        }
+    }
+    *cursor = i < h->nbuckets ? i : 0;
+    unlock(h);
+    return n;
+}
+
+int yr_get_stats(void *base, yr_stats *out) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    out->capacity = h->heap_size;
+    out->used = h->used;
+    out->objects = h->objects;
+    out->orphans = h->orphans;
+    out->reserved = h->reserved;
+    out->pinned_bytes = h->pinned_bytes;
+    out->free_bytes = h->heap_size - h->used;
+    out->retired = h->retired_count;
+    out->largest_free = 0;
+    if (h->free_bitmap) {
+        int c = 63 - __builtin_clzll(h->free_bitmap);
+        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next)
+            if (AT(h, off)->size > out->largest_free) out->largest_free = AT(h, off)->size;
+    }
+    out->hits = h->counters[YR_C_HITS];
+    out->misses = h->counters[YR_C_MISSES];
+    out->puts = h->counters[YR_C_PUTS];
+    out->deletes = h->counters[YR_C_DELETES];
+    out->spills = h->counters[YR_C_SPILLS];
+    out->promotions = h->counters[YR_C_PROMOTIONS];
+    out->evictions = h->counters[YR_C_EVICTIONS];
+    out->recoveries = h->counters[YR_C_RECOVERIES];
+    out->procs = 0;
+    for (uint32_t i = 1; i < h->nprocs; i++) out->procs += PROCS(h)[i].state != 0;
+    unlock(h);
+    return YR_OK;
+}
+
+uint64_t yr_used(void *base) { return __atomic_load_n(&H(base)->used, __ATOMIC_RELAXED); }
+
+void yr_count(void *base, int which, uint64_t n) {
+    hdr_t *h = H(base);
+    if (which < 0 || which >= C_NCOUNTERS) return;
+    __atomic_fetch_add(&h->counters[which], n, __ATOMIC_RELAXED);
+}
+
+int yr_expire(void *base, double now) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int n = 0;
+    if (!h->ttl_objects) { unlock(h); return 0; }   /* O(1) when nothing can expire */
+    for (uint64_t i = 0; i < h->nbuckets; i++) {
+        uint64_t *s = &BUCKETS(h)[i];
+        while (*s) {
+            if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
+            else s = &AT(h, *s)->next;
+        }
+    }
+    unlock(h);
+    return n;
+}

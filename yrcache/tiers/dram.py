@@ -1,0 +1,615 @@
+"""DRAM tier: one shared-memory arena per store, and the one interface to its C core.
+
+The segment ``/dev/shm/yrcache.<name>`` holds everything: the key index of
+every tier, the allocator, the pin table, the process table, named words and
+a robust mutex (C, ``_csrc/``).  Any process maps it by name and works on it
+directly; no daemon, no socket.  This is the only module that calls the C
+core: the rest of yrcache speaks to an ``Arena``.
+
+Trust: a segment is mapped only if it is owned by this process's user and
+nobody else may read or write it (created 0600; anything else raises
+``UntrustedStoreError`` before a byte of it is read).
+
+Liveness: each mapping takes a process slot and holds a lock on that slot's
+byte of the segment through an open file description of its own; a slot is
+dead exactly when nobody holds its lock (the kernel drops it with the
+process), whatever PID namespace either process runs in.
+
+Life cycle of a mapping: it registers a process slot, hands out pinned
+zero-copy views, and is unmapped only when nothing in the process refers to
+it any more: the store handle, every view, and every operation still
+running in another thread or paused in an iterator.  After a ``fork`` the
+child takes its own slot and re-pins the views it inherited (``_fork.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from .._arena import ffi, lib
+from ..errors import StoreFullError, StoreNotFoundError, YrcacheError
+from ..sizes import format_size
+from . import _fork
+from .segment import (SHM_DIR, check_name, check_trusted, destroy, list_stores, open_segment,  # noqa: F401
+                      proc_starttime, seg_path, shm_name, unlink_if)
+
+# The C core's constants (one definition, in _csrc/arena.h).
+TIER_HBM, TIER_DRAM, TIER_SSD = lib.YR_TIER_HBM, lib.YR_TIER_DRAM, lib.YR_TIER_SSD
+FLAG_WANTED = lib.YR_FLAG_WANTED
+PIN, QUIET = lib.YR_PIN, lib.YR_QUIET
+C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.YR_C_EVICTIONS
+ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
+
+ERRORS = {
+    lib.YR_ENOTFOUND: "not found",
+    lib.YR_ENOSPC: "no space",
+    lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
+    lib.YR_ENOPINS: "too many live views",
+    lib.YR_ENOPROCS: "too many attached processes",
+    lib.YR_ELOCK: "the arena lock is unrecoverable",
+    lib.YR_ESTATE: "unexpected object state",
+    lib.YR_ETOOBIG: "object larger than the arena",
+    lib.YR_EBUFFER: "buffer too small",
+    lib.YR_ECHANGED: "the object changed",
+}
+
+
+def check(rc: int, what: str) -> int:
+    if rc < 0:
+        raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
+    return rc
+
+
+class ScanRec(NamedTuple):
+    """What the index says about one object (a copy)."""
+
+    seq: int
+    nbytes: int
+    block_size: int
+    priority: int
+    access_count: int
+    last_access: float
+    expire_at: float
+    tier: int
+    pins: int
+    gen: int
+    holder: int
+    flags: int
+
+
+def _scanrec(r) -> ScanRec:
+    return ScanRec(r.seq, r.nbytes, r.block_size, r.priority, r.access_count, r.last_access,
+                   r.expire_at, r.tier, r.pins, r.gen, r.holder, r.flags)
+
+
+class Reservation:
+    """A block reserved for an object: fill ``buffer``, then ``commit`` (or ``abort``).
+
+    A context manager: leaving the ``with`` block without a commit (an
+    exception while filling, a lost race) aborts, so nothing half-written
+    ever becomes visible and the block goes back to the heap.
+    """
+
+    __slots__ = ("arena", "block", "payload_off", "nbytes", "done")
+
+    def __init__(self, arena: "Arena", block: int, payload_off: int, nbytes: int):
+        self.arena, self.block, self.payload_off, self.nbytes = arena, block, payload_off, nbytes
+        self.done = False
+
+    @property
+    def buffer(self) -> np.ndarray:
+        """The block's payload as a writable flat uint8 array (no copy)."""
+        return np.frombuffer(ffi.buffer(self.arena.cbase + self.payload_off, self.nbytes), dtype=np.uint8)
+
+    def fill_from(self, src: Any) -> None:
+        """Copy a contiguous buffer of ``nbytes`` into the block (memcpy, the GIL released)."""
+        if self.nbytes:
+            lib.yr_memcpy(self.arena.cbase + self.payload_off, ffi.from_buffer(src), self.nbytes)
+
+    def commit(self, expected: int = ANY_SEQ):
+        """Publish the object; what it replaced (a ``yr_retired``), or None if
+        the key is no longer the object ``expected`` (then the block is freed)."""
+        a = self.arena
+        out = ffi.new("yr_retired *")
+        rc = lib.yr_commit(a.base, a.slot, self.block, expected, out)
+        if rc == lib.YR_ECHANGED:
+            self.abort()
+            return None
+        check(rc, "commit")
+        self.done = True
+        return out
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            lib.yr_abort(self.arena.base, self.arena.slot, self.block)
+
+    def __enter__(self) -> "Reservation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+class Word:
+    """A named word of the arena: a 64-bit value and a wake-up counter.
+
+    ``wait(seen, timeout)`` sleeps on a futex until the counter differs from
+    ``seen`` (read it first with ``seq``); ``wake()`` bumps it and wakes every
+    process waiting.  No lock, no lookup, no syscall unless someone sleeps.
+    """
+
+    __slots__ = ("arena", "ptr")
+
+    def __init__(self, arena: "Arena", off: int):
+        self.arena = arena          # keeps the mapping alive
+        self.ptr = ffi.cast("yr_word *", arena.cbase + off)
+
+    @property
+    def seq(self) -> int:
+        return self.ptr.seq
+
+    @property
+    def value(self) -> int:
+        return self.ptr.value
+
+    def cas(self, expected: int, desired: int) -> bool:
+        """Set ``value`` to ``desired`` if it is ``expected`` (atomically)."""
+        return bool(lib.yr_word_cas(self.ptr, expected, desired))
+
+    def wait(self, seen: int, timeout: float | None) -> bool:
+        """Sleep until ``seq`` differs from ``seen``; False on timeout."""
+        rc = lib.yr_futex_wait(ffi.addressof(self.ptr, "seq"), seen,
+                               -1.0 if timeout is None else max(timeout, 0.0))
+        return rc != 1
+
+    def wake(self) -> None:
+        lib.yr_futex_wake(ffi.addressof(self.ptr, "seq"))
+
+
+_tls = threading.local()
+
+
+def _scratch():
+    """Per-thread out-structs for the hot paths (ffi.new costs more than the C call)."""
+    try:
+        return _tls.s
+    except AttributeError:
+        _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"))
+        return _tls.s
+
+
+class Arena:
+    """A process's mapping of one store's arena: its slot, its pins, and the
+    object operations of the C core.  Thread-safe: the C core serialises on
+    the arena's robust mutex; the Python-side pin book is guarded by a lock.
+    """
+
+    def __init__(self, name: str, *, create: bool = False, size: int = 0,
+                 prefault: bool = True, nprocs: int = 1024, npins: int | None = None):
+        self.name = check_name(name)
+        self.path = seg_path(name)
+        self._lock = threading.Lock()
+        self.mapped = False
+        self.persist = False
+        self.attached_here = False
+        self._fd = -1
+        self._slot = 0
+        self.pid = 0
+        fd, self.created = open_segment(name, create, size)
+        self._fd = fd
+        try:
+            st = os.fstat(fd)
+            check_trusted(st, self.path)
+            self.size = st.st_size
+            self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
+            # tmpfs: a first-touch write costs ~10x a write to a resident page,
+            # so the creator faults the whole arena in once, here, not on the
+            # put path.  An attacher may map every page up front too (about
+            # 0.14 s per GiB), sparing it a ~1 us fault per page it touches.
+            self.base = self._map_new(prefault) if self.created else lib.yr_map(fd, self.size, int(prefault))
+            if self.base == ffi.NULL:
+                raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
+            self.addr = int(ffi.cast("uintptr_t", self.base))
+            self.cbase = ffi.cast("char *", self.base)
+            self.mapped = True
+            if self.created:
+                if npins is None:
+                    npins = max(1024, min(1 << 22, size // 4096))   # 16 B each; more grow on demand
+                check(lib.yr_arena_init(self.base, self.size, nprocs, npins), "arena init")
+            elif lib.yr_arena_check(self.base, self.size) != 0:
+                raise StoreNotFoundError(
+                    f"{self.path} is not a usable yrcache store (being created, damaged, or from an "
+                    f"incompatible version); remove it with `yrcache destroy {name}`"
+                )
+            self.is_owner = self.created
+            self.register()
+        except BaseException:
+            self._unmap()
+            if self.created:
+                unlink_if(self.name, getattr(self, "_ident", None))
+            raise
+        st_ = ffi.new("yr_stats *")
+        lib.yr_get_stats(self.base, st_)
+        self.capacity = st_.capacity          # heap bytes
+        # views made by this process: pin -> block offset (re-pinned after fork)
+        self.views: dict[int, int] = {}
+        self.remap: dict[tuple[int, int], int] = {}
+        self.handle = True   # the store handle; views hold the Arena object itself
+        self._words: dict[str, Word] = {}
+        _fork.ARENAS.add(self)
+
+    def _map_new(self, prefault: bool):
+        """Map a new segment with all its memory given to it now, so that an
+        over-committed /dev/shm fails here with StoreFullError, not later
+        with SIGBUS at the first write (tmpfs allocates pages lazily)."""
+        if prefault:
+            base = lib.yr_map(self._fd, self.size, 0)
+            if base == ffi.NULL:
+                return base
+            rc = lib.yr_populate_write(base, self.size)
+            if rc == 0:
+                return base
+            lib.yr_unmap(base, self.size)
+            if rc != -errno.EINVAL:     # EINVAL: a kernel without MADV_POPULATE_WRITE
+                raise self._no_room("its pages could not be allocated" if rc in (-errno.EFAULT, -errno.ENOMEM)
+                                    else os.strerror(-rc))
+        try:
+            os.posix_fallocate(self._fd, 0, self.size)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+                raise
+            raise self._no_room(e.strerror) from None
+        return lib.yr_map(self._fd, self.size, int(prefault))
+
+    def _no_room(self, why: str) -> StoreFullError:
+        return StoreFullError(
+            f"cannot create store {self.name!r}: {SHM_DIR} has no room for "
+            f"{format_size(self.size)} ({why}); choose a smaller dram=, free shared memory "
+            f"(`yrcache list`, `yrcache destroy NAME`), or enlarge {SHM_DIR}"
+        )
+
+    # ------------------------------------------------------------ settings
+
+    def read_config(self) -> dict | None:
+        data = ffi.string(lib.yr_config_area(self.base), lib.YR_CONFIG_BYTES)
+        return json.loads(data) if data else None
+
+    def write_config(self, config: dict) -> None:
+        data = json.dumps(config).encode()
+        if len(data) >= lib.YR_CONFIG_BYTES:
+            raise ValueError(f"store settings too long ({len(data)} bytes); use a shorter ssd= path")
+        ffi.memmove(lib.yr_config_area(self.base), data + b"\x00", len(data) + 1)
+
+    # -------------------------------------------------------------- slots
+
+    def register(self) -> None:
+        """Take a process slot (and its lock byte) for this process."""
+        self.sweep()
+        slot = lib.yr_proc_attach(self.base, self._fd, os.getpid(), proc_starttime(), int(self.is_owner))
+        if slot < 0:
+            raise YrcacheError(f"store {self.name!r} has no free process slot (all attached); "
+                               "close stores in processes that no longer need them")
+        self._slot = slot
+        self.pid = os.getpid()
+        self.attached_here = True
+        _fork.install_exit_hook()
+
+    def _own_slot(self) -> int:
+        return self._slot if self.pid == os.getpid() else 0
+
+    def sweep(self) -> int:
+        """Reclaim the slots of dead processes (their pins, unfinished puts and
+        HBM stubs): those whose lock byte nobody holds.  Returns how many."""
+        return max(0, lib.yr_proc_sweep(self.base, self._fd, self._own_slot()))
+
+    def attached(self) -> list[tuple[int, int, bool]]:
+        """(slot, pid, is_owner) of every live attached process slot."""
+        n = 1024
+        buf = ffi.new("yr_procinfo[]", n)
+        cnt = lib.yr_proc_list(self.base, self._fd, self._own_slot(), buf, n)
+        return [(i, buf[i].pid, bool(buf[i].is_owner)) for i in range(1, max(cnt, 0)) if buf[i].alive]
+
+    def take_ownership(self) -> None:
+        """Become the owner (of a store whose owner died)."""
+        self.is_owner = True
+        lib.yr_proc_set_owner(self.base, self.slot, 1)
+
+    @property
+    def slot(self) -> int:
+        """This process's slot; a forked child takes its own on first use."""
+        if self.pid != os.getpid():
+            with self._lock:
+                if self.pid != os.getpid():
+                    self.register()
+        return self._slot
+
+    def reopen_fd(self) -> None:
+        """A descriptor of our own: an inherited one shares the parent's open
+        file description, and with it the parent's slot lock."""
+        if self._fd < 0:
+            return
+        try:
+            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            fd = -1
+        os.close(self._fd)
+        self._fd = fd
+
+    # --------------------------------------------------------------- pins
+
+    def pinned_buffer(self, offset: int, nbytes: int, pin: int, block: int):
+        """A buffer over ``nbytes`` at ``offset`` that unpins ``pin`` when the
+        last view built on it dies (its closure keeps this mapping alive)."""
+        self.views[pin] = block
+        pid = os.getpid()
+        ptr = ffi.gc(self.cbase + offset, lambda _p: self._release(pid, pin))
+        return ffi.buffer(ptr, nbytes)
+
+    def _release(self, pid: int, pin: int) -> None:
+        try:
+            if pid != os.getpid():   # a view inherited across fork: release our own pin
+                pin = self.remap.pop((pid, pin), 0)
+                if not pin:
+                    return
+            if self.attached_here:   # after a detach at exit the pin is no longer ours
+                lib.yr_unpin(self.base, pin)
+                self.views.pop(pin, None)
+        except Exception:  # interpreter shutdown: the process's death frees the pin
+            pass
+
+    def unpin(self, pin: int) -> None:
+        lib.yr_unpin(self.base, pin)
+
+    def pin_block(self, block: int) -> int:
+        """One more pin on a live or orphaned block (>0), or an error (<0)."""
+        return lib.yr_pin_block(self.base, self._slot, block)
+
+    def transfer_pin(self, pin: int, from_slot: int) -> bool:
+        return lib.yr_pin_transfer(self.base, pin, from_slot, self._slot) == 0
+
+    # ------------------------------------------------------------ objects
+
+    def reserve(self, kb: bytes, meta: bytes, nbytes: int, *, priority: int = 0, expire_at: float = 0.0,
+                tier: int = TIER_DRAM, holder: int = 0, gen: int = 0,
+                access_count: int = 0) -> Reservation | None:
+        """Reserve a block for an object (with room for its payload when it
+        lives here, a stub otherwise); None when no block fits."""
+        alloc = nbytes if tier == TIER_DRAM else 0
+        d, _, poff = _scratch()
+        d.alloc_bytes, d.nbytes, d.priority, d.expire_at = alloc, nbytes, priority, expire_at
+        d.access_count, d.gen, d.tier, d.holder = access_count, gen, tier, holder
+        off = lib.yr_reserve(self.base, self.slot, kb, len(kb), meta, len(meta), d, poff)
+        if off in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+            return None
+        check(off, "reserve")
+        return Reservation(self, off, poff[0], alloc)
+
+    def put_small(self, kb: bytes, meta: bytes, data: Any, nbytes: int, priority: int,
+                  expire_at: float) -> Any:
+        """Store a small DRAM value in one lock hold; what it replaced, or None (no room)."""
+        out = _scratch()[1]
+        rc = lib.yr_put_small(self.base, self.slot, kb, len(kb), meta, len(meta),
+                              ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, out)
+        if rc in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+            return None
+        check(rc, "put")
+        return out
+
+    def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, Any]:
+        """Store (key, meta, payload, nbytes) entries in one lock hold, until one
+        does not fit: (how many were stored, what each replaced)."""
+        n = len(batch)
+        data = [ffi.from_buffer(p) if nb else ffi.NULL for _, _, p, nb in batch]
+        retired = ffi.new("yr_retired[]", n)
+        done = lib.yr_mput_small(self.base, self.slot, b"".join(e[0] for e in batch), [len(e[0]) for e in batch],
+                                 b"".join(e[1] for e in batch), [len(e[1]) for e in batch], data,
+                                 [e[3] for e in batch], n, priority, expire_at, retired)
+        return check(done, "mset"), retired
+
+    def get(self, kb: bytes, flags: int = PIN, info=None):
+        """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing."""
+        info = info if info is not None else ffi.new("yr_objinfo *")
+        rc = lib.yr_get(self.base, self.slot, kb, len(kb), flags, info)
+        if rc == lib.YR_ENOTFOUND:
+            return None
+        if rc == lib.YR_ENOPINS:
+            raise YrcacheError(f"store {self.name!r} has no room left for the pin of another view; "
+                               "drop references to values you no longer need (each view pins its object)")
+        check(rc, "get")
+        return info
+
+    def mget(self, kbs: list[bytes], flags: int = PIN) -> tuple[Any, Any]:
+        """Look several keys up in one lock hold: (infos, found flags)."""
+        n = len(kbs)
+        infos = ffi.new("yr_objinfo[]", n)
+        found = ffi.new("int32_t[]", n)
+        rc = lib.yr_mget(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, flags, infos, found)
+        if rc == lib.YR_ENOPINS:
+            raise YrcacheError(f"store {self.name!r} has no room left for the pins of more views; "
+                               "drop references to values you no longer need")
+        check(rc, "mget")
+        return infos, found
+
+    def peek(self, kb: bytes) -> tuple[Any, bytes] | None:
+        """(info, codec header) of ``kb`` without a pin or a read counted; None when missing."""
+        info = ffi.new("yr_objinfo *")
+        meta = ffi.new("char[]", 4096)
+        rc = lib.yr_peek(self.base, kb, len(kb), info, meta, 4096)
+        if rc == lib.YR_ENOTFOUND:
+            return None
+        check(rc, "peek")
+        return info, ffi.buffer(meta, info.meta_len)[:]
+
+    def meta(self, info) -> bytes:
+        """The codec header of a pinned lookup."""
+        return ffi.buffer(self.cbase + info.meta_off, info.meta_len)[:]
+
+    def payload(self, info) -> np.ndarray:
+        """The payload of a pinned lookup as a flat uint8 array (valid while pinned)."""
+        return np.frombuffer(ffi.buffer(self.cbase + info.payload_off, info.nbytes), dtype=np.uint8)
+
+    def contains(self, kb: bytes) -> bool:
+        return lib.yr_contains(self.base, kb, len(kb)) == 1
+
+    def delete(self, kb: bytes, expected: int = ANY_SEQ) -> tuple[bool, Any]:
+        """Remove ``kb`` (if it is still the object ``expected``): (whether a
+        live object was deleted, what left the index: an expired object
+        leaves it too, but was not there to delete)."""
+        out = ffi.new("yr_retired *")
+        return lib.yr_delete(self.base, kb, len(kb), expected, out) == 0, out
+
+    def set_flags(self, kb: bytes, seq: int, set: int = 0, clear: int = 0) -> bool:
+        return lib.yr_set_flags(self.base, kb, len(kb), seq, set, clear) == 0
+
+    def count(self, which: int, n: int = 1) -> None:
+        lib.yr_count(self.base, which, n)
+
+    def expire(self, now: float) -> int:
+        return lib.yr_expire(self.base, now)
+
+    def stats(self):
+        out = ffi.new("yr_stats *")
+        check(lib.yr_get_stats(self.base, out), "stats")
+        return out
+
+    @property
+    def used(self) -> int:
+        """Bytes in allocated blocks, read without the lock."""
+        return lib.yr_used(self.base)
+
+    def check_invariants(self) -> str | None:
+        msg = ffi.new("char[256]")
+        return ffi.string(msg).decode() if lib.yr_check_invariants(self.base, msg, 256) else None
+
+    # ----------------------------------------------------------- iteration
+
+    def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
+        """Keys starting with ``prefix``, a bucket batch per lock hold;
+        ``alive()`` runs before each batch (and may raise to stop)."""
+        cursor = ffi.new("uint64_t *", 0)
+        need = ffi.new("uint64_t *")
+        size = 1 << 16
+        buf = ffi.new("char[]", size)
+        while True:
+            if alive is not None:
+                alive()
+            n = lib.yr_keys(self.base, cursor, prefix, len(prefix), buf, size, need)
+            if n == lib.YR_EBUFFER:   # one bucket needs a bigger buffer
+                size = max(size * 2, need[0])
+                buf = ffi.new("char[]", size)
+                continue
+            check(n, "keys")
+            raw = ffi.buffer(buf, size)
+            out, pos = [], 0
+            for _ in range(n):
+                klen = int.from_bytes(raw[pos:pos + 4], "little")
+                out.append(raw[pos + 4:pos + 4 + klen].decode())
+                pos += 4 + klen
+            yield from out
+            if cursor[0] == 0:
+                return
+
+    def scan(self, tiers: int = ~0) -> Iterator[tuple[ScanRec, str]]:
+        """(record, key) of every live object whose tier is in the bit mask
+        ``tiers`` (e.g. ``1 << TIER_SSD``), filtered in C, a batch per lock hold."""
+        cursor = ffi.new("uint64_t *", 0)
+        need = ffi.new("uint64_t *")
+        nrec, kbuf = 4096, 1 << 20
+        recs = ffi.new("yr_scanrec[]", nrec)
+        keys = ffi.new("char[]", kbuf)
+        while True:
+            n = lib.yr_scan(self.base, cursor, tiers & 0xFFFFFFFF, recs, nrec, keys, kbuf, need)
+            if n == lib.YR_EBUFFER:
+                nrec, kbuf = max(nrec, need[0]) * 2, max(kbuf, need[0]) * 2
+                recs = ffi.new("yr_scanrec[]", nrec)
+                keys = ffi.new("char[]", kbuf)
+                continue
+            check(n, "scan")
+            raw = ffi.buffer(keys, kbuf)
+            batch = [(_scanrec(recs[i]), raw[recs[i].key_pos:recs[i].key_pos + recs[i].klen].decode())
+                     for i in range(n)]
+            yield from batch   # copied out: the buffers are reused for the next batch
+            if cursor[0] == 0:
+                return
+
+    def drain_retired(self, tiers: int) -> list[tuple[ScanRec, str]]:
+        """Take (and free the stubs of) the retired objects of ``tiers`` this
+        process must free the bytes of.  O(1) when nothing is pending."""
+        if not lib.yr_retired_pending(self.base):
+            return []
+        recs = ffi.new("yr_scanrec[]", 256)
+        keys = ffi.new("char[]", 256 * 1024)
+        out = []
+        while True:
+            n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
+            raw = ffi.buffer(keys, 256 * 1024)
+            out += [(_scanrec(recs[i]), raw[recs[i].key_pos:recs[i].key_pos + recs[i].klen].decode())
+                    for i in range(n)]
+            if n < 256:
+                return out
+
+    def retired_pending(self) -> int:
+        return lib.yr_retired_pending(self.base)
+
+    # -------------------------------------------------------------- words
+
+    def word(self, name: str) -> Word:
+        """The named word ``name`` (created on first use), cached per mapping."""
+        w = self._words.get(name)
+        if w is None:
+            off = lib.yr_word_at(self.base, name.encode(), len(name.encode()))
+            check(off, f"word {name!r}")
+            w = self._words[name] = Word(self, off)
+        return w
+
+    # ----------------------------------------------------------- closing
+
+    def release_handle(self) -> None:
+        """The store handle is done.  The owner unlinks the segment's name
+        (unless the store persists): processes still attached keep their
+        mappings, new attaches fail.  The mapping itself goes when nothing in
+        this process refers to this Arena any more (see ``__del__``)."""
+        if self.handle:
+            self.handle = False
+            if self.is_owner and not self.persist:
+                self.unlink()
+
+    def detach(self) -> None:
+        """Give the process slot back (its pins with it).  Views of this
+        process must not be used afterwards: only for exit and finalisation."""
+        with self._lock:
+            if self.mapped and self.attached_here and self.pid == os.getpid():
+                self.attached_here = False
+                lib.yr_proc_detach(self.base, self._fd, self._slot)
+
+    def _unmap(self) -> None:
+        if self.mapped:
+            self.mapped = False
+            lib.yr_unmap(self.base, self.size)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def unlink(self) -> bool:
+        """Remove the segment's name if it still names *this* segment.  (A
+        store destroyed and created again under the same name is another
+        segment; an old handle must not unlink it.)  Mappings stay valid."""
+        return unlink_if(self.name, self._ident)
+
+    def __del__(self):
+        # Reached when no handle, view or running operation refers to us.
+        try:
+            if self.handle:
+                self.release_handle()
+            self.detach()
+            self._unmap()
+        except Exception:
+            pass
+

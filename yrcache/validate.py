@@ -1,0 +1,53 @@
+"""Validation of the arguments of every call: keys, priorities, TTLs.
+
+Bad input raises ``TypeError`` or ``ValueError`` with a message that names the
+rule (docs: README, "Semantics worth knowing").
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from typing import Any
+
+MAX_KEY_BYTES = 1024
+_I64 = 1 << 63
+
+
+def key_bytes(key: Any) -> bytes:
+    """Validate a key and return its UTF-8 bytes."""
+    if type(key) is not str:
+        if isinstance(key, str):
+            key = str(key)
+        else:
+            raise TypeError(f"keys must be str, not {type(key).__name__}")
+    try:
+        kb = key.encode()
+    except UnicodeEncodeError:
+        raise ValueError(f"key {key[:40]!r} is not valid UTF-8 (lone surrogates?)") from None
+    if not kb:
+        raise ValueError("keys must be non-empty strings")
+    if len(kb) > MAX_KEY_BYTES:
+        raise ValueError(f"key is {len(kb)} UTF-8 bytes; keys may be at most {MAX_KEY_BYTES} bytes")
+    if b"\x00" in kb:
+        raise ValueError(f"key {key[:40]!r} contains a NUL character, which keys may not")
+    return kb
+
+
+def priority(priority: Any) -> int:
+    """Validate ``priority=``: an int that fits in 64 bits (numpy ints too, not bools or floats)."""
+    if type(priority) is not int:
+        if isinstance(priority, bool) or not hasattr(priority, "__index__"):
+            raise TypeError(f"priority must be an int, not {type(priority).__name__} {priority!r}")
+        priority = operator.index(priority)
+    if not -_I64 <= priority < _I64:
+        raise ValueError(f"priority must fit in 64 bits (-2**63 <= priority < 2**63), got {priority}")
+    return priority
+
+
+def expire_at(ttl: float | None) -> float:
+    if ttl is None:
+        return 0.0
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+    return time.time() + ttl
