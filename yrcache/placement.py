@@ -283,6 +283,7 @@ class Placement:
         process has a live stub and every stub its copy; each tier's ``used``
         equals what it holds.  Raises YrcacheError.  O(objects)."""
         a = self.a
+        a.sweep()                    # what dead processes left behind goes first
         a.expire(time.time())
         self.drain()
         soon = time.time() + 1.0     # objects about to expire may be gone from one tier already
