@@ -238,7 +238,7 @@ def test_read_into_makes_no_intermediate_copy(tier, monkeypatch, pipeline):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak < MIB, f"read_into allocated {peak} bytes for an {n}-byte payload"
+    assert peak < 64 * KIB, f"read_into allocated {peak} bytes (a copy?) for an {n}-byte payload"
     assert out.tobytes() == payload(n, 1)
 
 
