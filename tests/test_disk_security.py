@@ -14,12 +14,14 @@ import subprocess
 import sys
 import textwrap
 import time
+from contextlib import closing
 
 import pytest
 
 import procs
 from yrcache.errors import CorruptObjectError, StoreInUseError, UntrustedStoreError
-from yrcache.tiers import disk
+from yrcache.tiers import _diskutil, disk
+from yrcache.tiers.base import new_gen
 from yrcache.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.timeout(60)
 KIB = 1024
 NOBODY = 65534
 HINT = "remove it or chown/chmod it"
+K, CHILD = 0x6B, 0xC41D                 # generations written by one handle, read by another
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
 
 
@@ -47,11 +50,17 @@ def root(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def payload_path(tier: DiskTier, key: str) -> str:
-    """The payload file of ``key``, found through its index record."""
-    rec = disk._decode(tier._cache.get(key))
-    assert rec.kind == disk._KIND_FILE
-    return tier._file_path(rec.raw[rec.meta_end:].decode())
+def put(tier: DiskTier, meta: bytes, data: bytes, key: str = "k") -> int:
+    gen = new_gen()
+    tier.put(gen, meta, data, key=key)
+    return gen
+
+
+def payload_path(tier: DiskTier, gen: int) -> str:
+    """The payload file of blob ``gen``, found through its index record."""
+    rec = disk._decode(tier._cache.get(gen))
+    assert rec.kind == disk._FILE
+    return tier._file_path(rec.raw[rec.tail:].decode())
 
 
 def mode_of(p) -> int:
@@ -124,8 +133,8 @@ def test_tier_directory_may_be_a_symlink_to_our_own(root, tmp_path):
     real = tmp_path / "real"
     os.symlink(real, root)
     DiskTier(real).close()
-    with DiskTier(root) as t:
-        t.put("k", b"", b"v")
+    with closing(DiskTier(root)) as t:
+        t.put(K, b"", b"v", key="k")
     shutil.rmtree(real)
     os.unlink(root)
 
@@ -139,7 +148,7 @@ INDEX_FILES = ["index/cache.db", "index/cache.db-wal", "index/cache.db-shm", "ow
 def test_untrusted_index_file_is_refused(root, tmp_path, name, attack):
     # A first handle stays open so that SQLite's -wal and -shm files exist.
     first = DiskTier(root, owner="me")
-    first.put("k", b"", b"v")
+    first.put(K, b"", b"v", key="k")
     p = root / name
     assert p.exists()
     if attack == "other-user":
@@ -162,16 +171,16 @@ def test_untrusted_index_file_is_refused(root, tmp_path, name, attack):
 
 
 def test_index_and_lock_files_are_private(root):
-    with DiskTier(root, owner="me") as t:
-        t.put("k", b"", b"v")
+    with closing(DiskTier(root, owner="me")) as t:
+        t.put(K, b"", b"v", key="k")
         names = ["index/cache.db", "index/cache.db-wal", "index/cache.db-shm", "owner.lock"]
         for name in names:
             assert mode_of(root / name) == 0o600, name
     # An index left 0644 (an older version, another umask) is tightened on open.
     for name in ("index/cache.db", "owner.lock"):
         os.chmod(root / name, 0o644)
-    with DiskTier(root, owner="me") as t:
-        assert t.get("k")[1] == b"v"
+    with closing(DiskTier(root, owner="me")) as t:
+        assert t.get(K)[1] == b"v"
         for name in names:
             assert mode_of(root / name) == 0o600, name
 
@@ -219,21 +228,21 @@ def test_payload_that_is_not_our_regular_file_is_corrupt(root, tmp_path, plant):
     how, what = plant
     t = DiskTier(root)
     data = payload(100 * KIB, 1)
-    t.put("k", b"m", data)
-    t.put("other", b"o", payload(100 * KIB, 2))
-    p = payload_path(t, "k")
+    gen = put(t, b"m", data)
+    other = put(t, b"o", payload(100 * KIB, 2), key="other")
+    p = payload_path(t, gen)
     how(p, tmp_path)
     start = time.monotonic()
     with pytest.raises(CorruptObjectError) as ei:
-        t.read_into("k", bytearray(100 * KIB))
+        t.read_into(gen, bytearray(100 * KIB))
     assert what in str(ei.value) and p in str(ei.value)
     with pytest.raises(CorruptObjectError, match=what):
-        t.get("k")
+        t.get(gen)
     assert time.monotonic() - start < 5
-    assert t.get("other")[1] == payload(100 * KIB, 2)     # only that object
-    assert t.delete("k")                                   # the advised fix works
-    t.put("k", b"m", data)
-    assert t.get("k") == (b"m", bytearray(data))
+    assert t.get(other)[1] == payload(100 * KIB, 2)       # only that object
+    assert t.delete(gen)                                   # the advised fix works
+    gen = put(t, b"m", data)
+    assert t.get(gen) == (b"m", bytearray(data))
     t.close()
 
 
@@ -259,9 +268,9 @@ def byte_is_free(lock_file, byte: int) -> bool:
 
 
 def test_flock_layout_and_lock_excludes_another_process(root):
-    assert disk._FLOCK.size == 32
+    assert _diskutil.FLOCK.size == 32
     lock_file = root / "owner.lock"
-    with DiskTier(root, owner="a"):
+    with closing(DiskTier(root, owner="a")):
         assert not byte_is_free(lock_file, 1)     # the claim
         assert byte_is_free(lock_file, 0)         # the opener gate is released
         assert byte_is_free(lock_file, 2)         # nothing else is locked
@@ -276,10 +285,10 @@ def test_different_owners_exclude_each_other(root):
     assert isinstance(ei.value, RuntimeError)
     assert str(root) in msg and "'store-a'" in msg and "'store-b'" in msg
     assert "one ssd= directory per store" in msg and "attach to the store that has it" in msg
-    a.put("k", b"", b"still fine")
+    a.put(K, b"", b"still fine", key="k")
     a.close()
-    with DiskTier(root, owner="store-b") as b:    # free once the owner closed
-        assert b.get("k")[1] == b"still fine"
+    with closing(DiskTier(root, owner="store-b")) as b:    # free once the owner closed
+        assert b.get(K)[1] == b"still fine"
         with pytest.raises(StoreInUseError, match="'store-b'"):
             DiskTier(root, owner="store-a")
 
@@ -287,8 +296,8 @@ def test_different_owners_exclude_each_other(root):
 def test_same_owner_twice_and_takeover_after_the_last_closes(root):
     a1 = DiskTier(root, owner="a")
     a2 = DiskTier(root, owner="a")
-    a1.put("x", b"", b"1")
-    assert a2.get("x")[1] == b"1"
+    a1.put(K, b"", b"1", key="x")
+    assert a2.get(K)[1] == b"1"
     a1.close()
     with pytest.raises(StoreInUseError):          # a2 still holds it
         DiskTier(root, owner="b")
@@ -299,18 +308,18 @@ def test_same_owner_twice_and_takeover_after_the_last_closes(root):
 def test_owner_id_survives_in_the_file(root):
     DiskTier(root, owner="first").close()
     assert (root / "owner.lock").read_text() == "first\n"
-    with DiskTier(root, owner="second"):
+    with closing(DiskTier(root, owner="second")):
         assert (root / "owner.lock").read_text() == "second\n"
     assert (root / "owner.lock").read_text() == "second\n"
 
 
 def test_owner_none_takes_no_lock(root):
-    with DiskTier(root) as t:
-        t.put("k", b"", b"v")
+    with closing(DiskTier(root)) as t:
+        t.put(K, b"", b"v", key="k")
     assert not (root / "owner.lock").exists()
-    with DiskTier(root, owner="a"):
-        with DiskTier(root) as tool:              # tools may look while a store holds it
-            assert tool.get("k")[1] == b"v"
+    with closing(DiskTier(root, owner="a")):
+        with closing(DiskTier(root)) as tool:     # tools may look while a store holds it
+            assert tool.get(K)[1] == b"v"
         with pytest.raises(StoreInUseError):
             DiskTier(root, owner="b")
 
@@ -327,7 +336,7 @@ def test_owner_argument_is_checked(root):
 
 def _open_in_child(path: str, owner: str, other: str) -> str:
     t = DiskTier(path, owner=owner)
-    t.put("child", b"", b"hello")
+    t.put(CHILD, b"", b"hello", key="child")
     try:
         DiskTier(path, owner=other)
     except StoreInUseError as exc:
@@ -339,11 +348,11 @@ def _open_in_child(path: str, owner: str, other: str) -> str:
 
 
 def test_same_owner_from_a_child_process(root, mp_context):
-    with DiskTier(root, owner="a") as t:
+    with closing(DiskTier(root, owner="a")) as t:
         p, q = procs.start(mp_context, _open_in_child, str(root), "a", "b")
         msg = procs.finish(p, q)
         assert "'a'" in msg and "'b'" in msg
-        assert t.get("child")[1] == b"hello"
+        assert t.get(CHILD)[1] == b"hello"
         with pytest.raises(StoreInUseError):      # the child's close left ours alone
             DiskTier(root, owner="b")
 
@@ -367,7 +376,7 @@ def test_killed_holder_frees_the_directory(root, mp_context):
     finally:
         procs.kill_and_join(p)
     assert p.exitcode == -signal.SIGKILL
-    with DiskTier(root, owner="alive"):
+    with closing(DiskTier(root, owner="alive")):
         assert (root / "owner.lock").read_text() == "alive\n"
 
 
@@ -375,7 +384,7 @@ def _forked_holder(t: DiskTier, ready, go, done) -> None:
     # Uses the handle inherited through fork, then waits to be told to close it.
     ready.set()
     assert go.wait(30)
-    t.put("from-child", b"", b"c")
+    t.put(CHILD, b"", b"c", key="from-child")
     assert done.wait(30)
     t.close()
 
@@ -407,8 +416,8 @@ def test_fork_child_keeps_its_own_claim(root, first):
     finally:
         procs.kill_and_join(p)
         t.close()
-    with DiskTier(root, owner="b") as b:
-        assert b.get("from-child")[1] == b"c"
+    with closing(DiskTier(root, owner="b")) as b:
+        assert b.get(CHILD)[1] == b"c"
 
 
 # ------------------------------------------- 4. inline payload checksums (14a)
@@ -416,15 +425,15 @@ def test_fork_child_keeps_its_own_claim(root, first):
 def test_inline_payload_checksum_is_verified(root):
     t = DiskTier(root)
     data = payload(1000, 3)
-    t.put("k", b"meta", data)
-    raw = t._cache.get("k")
+    gen = put(t, b"meta", data)
+    raw = t._cache.get(gen)
     rec = disk._decode(raw)
-    assert rec.kind == disk._KIND_INLINE and len(raw) == rec.meta_end + len(data)
-    i = rec.meta_end + 500                       # a payload byte; the header stays intact
-    t._cache.set("k", raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
-    assert t.info("k").nbytes == 1000            # the record still decodes
+    assert rec.kind == disk._INLINE and len(raw) == rec.tail + len(data)
+    i = rec.tail + 500                           # a payload byte; the header stays intact
+    t._cache.set(gen, raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
+    assert t.info(gen).nbytes == 1000            # the record still decodes
     with pytest.raises(CorruptObjectError, match="checksum"):
-        t.read_into("k", bytearray(1000))
+        t.read_into(gen, bytearray(1000))
     with pytest.raises(CorruptObjectError, match="checksum"):
-        t.get("k")
+        t.get(gen)
     t.close()

@@ -1,25 +1,43 @@
-"""Tests of the SSD tier (yrcache/tiers/disk.py)."""
+"""Tests of the SSD tier (yrcache/tiers/disk.py): the tier suite, then what is SSD-only."""
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import signal
 import stat
 import threading
 import time
+import tracemalloc
 
+import diskcache
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from yrcache.errors import CorruptObjectError, StoreClosedError, StoreFullError
-from yrcache.tiers import disk
-from yrcache.tiers.disk import DiskEntry, DiskTier, ObjectInfo
+pytest.register_assert_rewrite("tier_suite")
+
+from tier_suite import TierTests  # noqa: E402
+
+from yrcache.errors import CorruptObjectError, StoreClosedError, StoreFullError  # noqa: E402
+from yrcache.tiers import _diskio, _diskutil, disk  # noqa: E402
+from yrcache.tiers.base import BlobInfo, new_gen  # noqa: E402
+from yrcache.tiers.disk import DiskTier  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * 1024
+
+
+class TestDiskTierConformance(TierTests):
+    __test__ = True
+
+    @pytest.fixture(params=[64 * KIB, 0], ids=["default", "all-files"])
+    def tier(self, request, tmp_path):
+        t = DiskTier(tmp_path / "ssd", capacity=self.CAPACITY, inline_threshold=request.param)
+        yield t
+        t.close()
 
 
 def payload(n: int, seed: int = 0) -> bytes:
@@ -37,6 +55,20 @@ def tmp_files(root) -> list[str]:
     return sorted(os.listdir(os.path.join(root, "tmp")))
 
 
+def put(t: DiskTier, data, *, meta: bytes = b"m", key: str = "k", **kw) -> int:
+    gen = new_gen()
+    t.put(gen, meta, data, key=key, **kw)
+    return gen
+
+
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
 @pytest.fixture
 def tier(tmp_path):
     t = DiskTier(tmp_path / "ssd")
@@ -46,19 +78,21 @@ def tier(tmp_path):
 
 # ------------------------------------------------------------------ basics
 
-def test_class_attributes_and_layout(tmp_path):
+def test_layout_and_modes(tmp_path):
     root = tmp_path / "a" / "b" / "ssd"          # parents created too
     t = DiskTier(root, capacity="1MiB")
-    assert DiskTier.name == "ssd" and DiskTier.zero_copy is False
-    assert t.capacity == MIB
+    assert t.capacity == MIB and t.path == str(root)
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
     for sub in ("index", "data", "tmp"):
         assert stat.S_IMODE(os.stat(root / sub).st_mode) == 0o700
-    t.put("big", b"m", payload(100 * KIB))
+    gen = put(t, payload(100 * KIB), key="big")
     (f,) = data_files(root)
     assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
-    assert "big" not in os.path.basename(f)      # named by id, not by key
-    assert len(t) == t.objects == 1 and t.used == 100 * KIB
+    name = os.path.basename(f)
+    assert "big" not in name and f"{gen:x}" not in name   # named by a random id
+    assert os.path.basename(os.path.dirname(f)) == name[:2]
+    assert t.used == 100 * KIB
+    t.close()
 
 
 def test_unbounded_capacity_is_free_space_plus_used(tmp_path):
@@ -66,173 +100,207 @@ def test_unbounded_capacity_is_free_space_plus_used(tmp_path):
     t = DiskTier(tmp_path / "ssd")
     free = shutil.disk_usage(tmp_path).free
     assert abs(t.capacity - free) < 64 * MIB
+    t.close()
 
 
 @pytest.mark.parametrize("n", [0, 1, 1000, 64 * KIB - 1])
-def test_round_trip_inline(tier, n):
-    data = payload(n, seed=n)
-    tier.put("k", b"meta-" + str(n).encode(), data, priority=3)
-    assert data_files(tier.path) == []           # inline: no payload file
-    meta, got = tier.get("k")
-    assert meta == b"meta-" + str(n).encode()
-    assert isinstance(got, bytearray) and bytes(got) == data
-    out = bytearray(n)
-    assert tier.read_into("k", out) == meta and bytes(out) == data
-    assert tier.info("k") == ObjectInfo(meta, n, 3, None)
-    assert "k" in tier and tier.used == n
+def test_small_payloads_are_inline(tier, n):
+    gen = put(tier, payload(n, n), meta=b"meta")
+    assert data_files(tier.path) == []
+    meta, got = tier.get(gen)
+    assert meta == b"meta" and isinstance(got, bytearray) and bytes(got) == payload(n, n)
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("n", [64 * KIB, 300 * KIB, 5 * MIB + 3])
-def test_round_trip_file(tier, monkeypatch, n, pipeline):
-    monkeypatch.setattr(disk, "_PIPELINE_READS", pipeline)
-    data = payload(n, seed=n)
-    tier.put("big/one", b"\x00hdr\xff", data)
-    assert len(data_files(tier.path)) == 1
+def test_large_payloads_are_files(tier, monkeypatch, n, pipeline):
+    monkeypatch.setattr(_diskio, "_PIPELINE_READS", pipeline)
+    data = payload(n, n)
+    gen = put(tier, data, meta=b"\x00hdr\xff")
+    (f,) = data_files(tier.path)
+    assert os.path.getsize(f) == n
     out = np.empty(n, dtype=np.uint8)
-    assert tier.read_into("big/one", out) == b"\x00hdr\xff"
-    assert out.tobytes() == data
-    meta, got = tier.get("big/one")
-    assert bytes(got) == data and meta == b"\x00hdr\xff"
-    assert tier.info("big/one").nbytes == n
-
-
-def test_payload_kinds(tier):
-    arr = np.arange(50_000, dtype=np.float32).reshape(100, 500)   # 200 KB, 2-D, not uint8
-    tier.put("arr", b"f32", arr)
-    out = np.empty_like(arr)
-    tier.read_into("arr", out)                    # typed, 2-D destination
-    np.testing.assert_array_equal(out, arr)
-    tier.put("mv", b"", memoryview(b"abc"))
-    tier.put("ba", b"", bytearray(b"xyz"))
-    assert tier.get("mv")[1] == b"abc" and tier.get("ba")[1] == b"xyz"
-    with pytest.raises(ValueError, match="contiguous"):
-        tier.put("strided", b"", arr[:, ::2])
-    with pytest.raises(TypeError):
-        tier.put("nobuf", b"", 12345)
-
-
-def test_empty_payload_as_file(tmp_path):
-    t = DiskTier(tmp_path / "ssd", inline_threshold=0)
-    t.put("empty", b"m", b"")
-    assert len(data_files(t.path)) == 1
-    assert t.get("empty") == (b"m", bytearray())
-    assert t.read_into("empty", bytearray()) == b"m"
+    assert tier.read_into(gen, out) == b"\x00hdr\xff" and out.tobytes() == data
+    assert tier.get(gen) == (b"\x00hdr\xff", bytearray(data))
 
 
 def test_inline_threshold_boundary(tmp_path):
     t = DiskTier(tmp_path / "ssd", inline_threshold=1000)
-    t.put("below", b"", payload(999))
+    put(t, payload(999))
     assert data_files(t.path) == []
-    t.put("at", b"", payload(1000))
+    put(t, payload(1000))
     assert len(data_files(t.path)) == 1
+    t.close()
 
 
-def test_overwrite_replaces_and_removes_old_file(tier):
-    tier.put("k", b"v1", payload(200 * KIB, 1))
-    (f1,) = data_files(tier.path)
-    tier.put("k", b"v2", payload(300 * KIB, 2))
-    (f2,) = data_files(tier.path)
-    assert f1 != f2 and not os.path.exists(f1)
-    assert tier.get("k") == (b"v2", bytearray(payload(300 * KIB, 2)))
-    assert tier.used == 300 * KIB and len(tier) == 1
-    tier.put("k", b"v3", b"small")                # file -> inline
-    assert data_files(tier.path) == []
-    assert tier.get("k") == (b"v3", bytearray(b"small")) and tier.used == 5
-    tier.put("k", b"v4", payload(100 * KIB, 4))   # inline -> file
-    assert tier.get("k")[0] == b"v4" and tier.used == 100 * KIB and len(tier) == 1
+def test_empty_payload_as_file(tmp_path):
+    t = DiskTier(tmp_path / "ssd", inline_threshold=0)
+    gen = put(t, b"", meta=b"m")
+    assert len(data_files(t.path)) == 1
+    assert t.get(gen) == (b"m", bytearray())
+    assert t.read_into(gen, bytearray()) == b"m"
+    t.close()
 
 
-def test_delete(tier):
-    tier.put("a", b"", payload(100 * KIB))
-    tier.put("b", b"", b"tiny")
-    assert tier.delete("a") is True
-    assert data_files(tier.path) == []
-    assert tier.delete("a") is False
-    assert "a" not in tier and tier.info("a") is None
-    with pytest.raises(KeyError):
-        tier.get("a")
-    with pytest.raises(KeyError):
-        tier.read_into("a", bytearray(100 * KIB))
-    assert tier.used == 4 and len(tier) == 1
-    assert tier.delete("b") and tier.used == 0 and len(tier) == 0
-
-
-def test_keys_prefix_and_pagination(tier):
-    names = [f"layer{i:04d}" for i in range(1200)] + ["lay", "laz", "", "ünï/cødé", "layer\U0001f600"]
-    for n in names:
-        tier.put(n, b"", b"x")
-    assert list(tier.keys()) == sorted(names)
-    assert list(tier.keys("layer")) == sorted(n for n in names if n.startswith("layer"))
-    assert list(tier.keys("layer00")) == [f"layer{i:04d}" for i in range(100)]
-    assert list(tier.keys("ünï")) == ["ünï/cødé"]
-    assert list(tier.keys("nope")) == []
-    assert set(tier) == set(names)
-    assert len(tier) == len(names)
-
-
-def test_key_validation(tier):
-    tier.put("é" * 512, b"", b"ok")              # a 1024-byte user key
-    tier.put("0123456789abcdef/" + "é" * 512, b"", b"ok")   # plus a mover prefix
-    tier.put("é" * 2048, b"", b"ok")             # the hard limit: 4096 bytes
-    assert tier.get("é" * 2048)[1] == b"ok"
-    with pytest.raises(ValueError, match="4096"):
-        tier.put("é" * 2048 + "x", b"", b"no")
+def test_payload_kinds(tier):
+    arr = np.arange(50_000, dtype=np.float32).reshape(100, 500)   # 200 KB, 2-D, not uint8
+    gen = put(tier, arr, meta=b"f32")
+    out = np.empty_like(arr)
+    tier.read_into(gen, out)                      # typed, 2-D destination
+    np.testing.assert_array_equal(out, arr)
+    assert tier.get(put(tier, memoryview(b"abc")))[1] == b"abc"
+    assert tier.get(put(tier, bytearray(b"xyz")))[1] == b"xyz"
+    with pytest.raises(ValueError, match="contiguous"):
+        put(tier, arr[:, ::2])
     with pytest.raises(TypeError):
-        tier.put(b"bytes-key", b"", b"no")
-    with pytest.raises(ValueError):
-        tier.put("\ud800", b"", b"no")
-    assert 0 not in tier                          # bookkeeping keys stay hidden
-    with pytest.raises(TypeError):
-        tier.get(0)
-
-
-def test_read_into_checks_out(tier):
-    tier.put("k", b"", payload(100 * KIB))
-    with pytest.raises(ValueError, match="102400"):
-        tier.read_into("k", bytearray(10))
+        put(tier, 12345)
     with pytest.raises(TypeError, match="writable"):
-        tier.read_into("k", bytes(100 * KIB))
+        tier.read_into(gen, bytes(arr.nbytes))
+    assert tier.used == arr.nbytes + 6
+
+
+def test_argument_checks(tier):
+    gen = new_gen()
+    with pytest.raises(TypeError, match="key"):
+        tier.put(gen, b"", b"x", key=b"bytes")
+    with pytest.raises(ValueError, match="UTF-8"):
+        tier.put(gen, b"", b"x", key="\ud800")
+    with pytest.raises(TypeError, match="meta"):
+        tier.put(gen, "str", b"x", key="k")
+    with pytest.raises(ValueError, match="priority"):
+        tier.put(gen, b"", b"x", key="k", priority=2**63)
+    with pytest.raises(ValueError, match="NaN"):
+        tier.put(gen, b"", b"x", key="k", expire_at=float("nan"))
+    with pytest.raises(TypeError):
+        tier.put(gen, b"", b"x", key="k", priority=1.5)
+    with pytest.raises(TypeError):
+        tier.put(gen, b"", b"x")                  # key is required
+    with pytest.raises(TypeError, match="bool"):
+        tier.put(True, b"", b"x", key="k")
+    assert tier.used == 0 and list(tier.entries()) == []
+    tier.put(np.int64(5), b"", b"x", key="k")     # any int-like generation
+    assert 5 in tier and tier.info(np.uint64(5)).gen == 5
+    key = "é" * 5000                              # no key length limit here
+    assert tier.info(put(tier, b"v", key=key)).key == key
+
+
+def test_generation_is_checked_before_writing(tier, monkeypatch):
+    gen = put(tier, payload(100 * KIB, 1), meta=b"first")
+    with pytest.raises(ValueError, match="already held"):
+        tier.put(gen, b"second", payload(200 * KIB, 2), key="k")
+    assert len(data_files(tier.path)) == 1 and tmp_files(tier.path) == []
+    assert tier.get(gen) == (b"first", bytearray(payload(100 * KIB, 1)))
+
+
+def test_generation_taken_while_writing(tmp_path, monkeypatch):
+    # Another handle publishes the generation after b's early check, before b commits.
+    a = DiskTier(tmp_path / "ssd")
+    b = DiskTier(tmp_path / "ssd")
+    gen = new_gen()
+    real = _diskio.write_payload
+
+    def racing(*args, **kw):
+        monkeypatch.setattr(_diskio, "write_payload", real)     # race once
+        a.put(gen, b"a", payload(100 * KIB, 1), key="k")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_diskio, "write_payload", racing)
+    with pytest.raises(ValueError, match="already held"):
+        b.put(gen, b"b", payload(150 * KIB, 2), key="k")
+    assert a.get(gen) == (b"a", bytearray(payload(100 * KIB, 1)))
+    assert a.used == 100 * KIB and len(data_files(a.path)) == 1      # b's file went again
+    a.close()
+    b.close()
+
+
+def test_delete_later(tier):
+    gen = put(tier, payload(100 * KIB))
+    small = put(tier, b"tiny")
+    (f,) = data_files(tier.path)
+    handed = []
+    assert tier.delete(gen, later=handed.append) is True
+    assert handed == [f] and os.path.exists(f)      # the file is the caller's to remove
+    assert gen not in tier and tier.used == 4       # the record went at once
+    os.unlink(f)
+    assert tier.delete(small, later=handed.append) and handed == [f]   # inline: no file
+    assert tier.delete(gen, later=handed.append) is False and tier.used == 0
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_read_into_makes_no_intermediate_copy(tier, monkeypatch, pipeline):
+    monkeypatch.setattr(_diskio, "_PIPELINE_READS", pipeline)
+    n = 8 * MIB
+    gen = put(tier, payload(n, 1))
+    out = np.empty(n, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        tier.read_into(gen, out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * KIB, f"read_into allocated {peak} bytes (a copy?) for an {n}-byte payload"
+    assert out.tobytes() == payload(n, 1)
 
 
 # ----------------------------------------------------------------- capacity
 
-def test_capacity_store_full(tmp_path):
+def test_store_full_message(tmp_path):
     t = DiskTier(tmp_path / "ssd", capacity=300 * KIB)
-    t.put("a", b"", payload(200 * KIB))
+    put(t, payload(200 * KIB))
+    gen = new_gen()
     with pytest.raises(StoreFullError) as ei:
-        t.put("b", b"", payload(200 * KIB))
-    assert isinstance(ei.value, MemoryError)
+        t.put(gen, b"", payload(200 * KIB), key="b")
     msg = str(ei.value)
     assert "ssd_size=" in msg and "'b'" in msg and "200.0 KiB used" in msg
-    assert "b" not in t and t.used == 200 * KIB
+    assert gen not in t and t.used == 200 * KIB
     assert len(data_files(t.path)) == 1 and tmp_files(t.path) == []   # nothing leaked
-    with pytest.raises(StoreFullError):
-        t.put("c", b"", payload(101 * KIB))
-    t.put("c", b"", payload(100 * KIB))           # exactly full is fine
-    t.put("a", b"", payload(150 * KIB))           # overwrite counts the old size back
-    assert t.used == 250 * KIB
-    t.delete("c")
-    t.put("d", b"", b"x" * 1000)
-    assert t.used == 150 * KIB + 1000
+    t.close()
 
 
 def test_capacity_is_rechecked_under_the_lock(tmp_path, monkeypatch):
     # Another handle fills the tier after b's early check but before b commits.
     a = DiskTier(tmp_path / "ssd", capacity=300 * KIB)
     b = DiskTier(tmp_path / "ssd", capacity=300 * KIB)
-    real = DiskTier._write_file
+    real = _diskio.write_payload
 
-    def racing(self, key, mv, final):
-        if self is b:
-            a.put("x", b"", payload(200 * KIB))
-        return real(self, key, mv, final)
+    def racing(*args, **kw):
+        monkeypatch.setattr(_diskio, "write_payload", real)     # race once
+        put(a, payload(200 * KIB))
+        return real(*args, **kw)
 
-    monkeypatch.setattr(DiskTier, "_write_file", racing)
+    monkeypatch.setattr(_diskio, "write_payload", racing)
+    gen = new_gen()
     with pytest.raises(StoreFullError):
-        b.put("y", b"", payload(200 * KIB))
-    assert "y" not in a and a.used == 200 * KIB
+        b.put(gen, b"", payload(200 * KIB), key="y")
+    assert gen not in a and a.used == 200 * KIB
     assert len(data_files(a.path)) == 1                # b's file was removed again
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EDQUOT])
+def test_filesystem_full_is_store_full(tier, monkeypatch, err):
+    def full(fd, data):
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(_diskio, "_os_write", full)
+    gen = new_gen()
+    with pytest.raises(StoreFullError, match="ran out of space") as ei:
+        tier.put(gen, b"", payload(100 * KIB), key="k")
+    assert isinstance(ei.value.__cause__, OSError)
+    assert gen not in tier and tier.used == 0
+    assert data_files(tier.path) == [] and tmp_files(tier.path) == []
+
+
+def test_other_write_errors_pass_through(tier, monkeypatch):
+    def broken(fd, data):
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(_diskio, "_os_write", broken)
+    with pytest.raises(OSError) as ei:
+        put(tier, payload(100 * KIB))
+    assert not isinstance(ei.value, StoreFullError) and ei.value.errno == errno.EIO
+    assert tmp_files(tier.path) == [] and tier.used == 0
 
 
 # -------------------------------------------------------------- persistence
@@ -240,155 +308,238 @@ def test_capacity_is_rechecked_under_the_lock(tmp_path, monkeypatch):
 def test_persists_across_instances(tmp_path):
     t = DiskTier(tmp_path / "ssd")
     big, small = payload(256 * KIB, 7), payload(10, 8)
-    t.put("big", b"mb", big, priority=5, expire_at=time.time() + 3600)
-    t.put("small", b"ms", small)
+    exp = time.time() + 3600
+    g1 = put(t, big, meta=b"mb", key="big", priority=5, expire_at=exp)
+    g2 = put(t, small, meta=b"ms", key="small")
+    infos = sorted(t.entries())
     t.close()
+    t.close()                                            # idempotent
     with pytest.raises(StoreClosedError):
-        t.get("big")
-    with DiskTier(tmp_path / "ssd") as t2:
-        assert t2.get("big") == (b"mb", bytearray(big))
-        assert t2.get("small") == (b"ms", bytearray(small))
-        assert t2.info("big").priority == 5
-        assert t2.used == len(big) + len(small) and len(t2) == 2
+        t.get(g1)
+    with pytest.raises(StoreClosedError):
+        list(t.entries())
+    t2 = DiskTier(tmp_path / "ssd")
+    assert sorted(t2.entries()) == infos                 # enough to rebuild an index
+    assert t2.info(g1)[1:6] == ("big", b"mb", 256 * KIB, 5, exp)
+    assert t2.get(g1) == (b"mb", bytearray(big))
+    assert t2.get(g2) == (b"ms", bytearray(small))
+    assert t2.used == len(big) + len(small)
+    t2.close()
 
 
-def test_durable_mode(tmp_path):
+def test_durable_mode_fsyncs(tmp_path, monkeypatch):
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    t = DiskTier(tmp_path / "plain")
+    put(t, payload(300 * KIB))
+    t.close()
+    assert synced == []
     t = DiskTier(tmp_path / "ssd", durable=True)
-    t.put("k", b"m", payload(300 * KIB))
-    t.put("s", b"m", b"abc")
+    g1 = put(t, payload(300 * KIB))
+    assert len(synced) >= 3                  # the file, data/XX/ (new) and data/
+    g2 = put(t, b"abc")
     t.close()
     t = DiskTier(tmp_path / "ssd")
-    assert t.get("k")[1] == payload(300 * KIB) and t.get("s")[1] == b"abc"
+    assert t.get(g1)[1] == payload(300 * KIB) and t.get(g2)[1] == b"abc"
+    t.close()
 
 
 # -------------------------------------------------------------- corruption
 
-def test_flipped_byte_is_detected_for_that_object_only(tier):
+def test_flipped_byte_in_a_file_is_that_blob_only(tier):
     good, bad = payload(100 * KIB, 1), payload(200 * KIB, 2)
-    tier.put("good", b"g", good)
-    tier.put("bad", b"b", bad)
+    g_good = put(tier, good, meta=b"g", key="good")
+    g_bad = put(tier, bad, meta=b"b", key="bad")
     (bad_file,) = [f for f in data_files(tier.path) if os.path.getsize(f) == 200 * KIB]
-    with open(bad_file, "r+b") as f:
-        f.seek(12345)
-        byte = f.read(1)
-        f.seek(12345)
-        f.write(bytes([byte[0] ^ 0x01]))
+    flip(bad_file, 12345)
     with pytest.raises(CorruptObjectError) as ei:
-        tier.read_into("bad", bytearray(200 * KIB))
+        tier.read_into(g_bad, bytearray(200 * KIB))
     msg = str(ei.value)
-    assert "'bad'" in msg and bad_file in msg and "delete the key and write it again" in msg
+    assert "'bad'" in msg and f"{g_bad:016x}" in msg and bad_file in msg and "checksum" in msg
+    assert "delete the key and write it again" in msg
     assert isinstance(ei.value, ValueError)
     with pytest.raises(CorruptObjectError):
-        tier.get("bad")
-    assert tier.get("good") == (b"g", bytearray(good))
-    assert tier.info("bad").nbytes == 200 * KIB         # metadata still readable
-    assert tier.delete("bad")                           # the advised fix works
-    tier.put("bad", b"b", bad)
-    assert tier.get("bad")[1] == bad
+        tier.get(g_bad)
+    assert tier.get(g_good) == (b"g", bytearray(good))
+    assert tier.info(g_bad).nbytes == 200 * KIB          # metadata still readable
+    assert tier.delete(g_bad) and tier.used == 100 * KIB
+    assert tier.get(put(tier, bad))[1] == bad
+
+
+def test_flipped_byte_in_an_inline_record_is_that_blob_only(tier):
+    good, bad = payload(1000, 1), payload(1000, 2)
+    g_good = put(tier, good, key="good")
+    g_bad = put(tier, bad, key="bad")
+    tier.close()
+    index = diskcache.Cache(os.path.join(tier.path, "index"))
+    raw = index.get(g_bad)
+    i = len(raw) - 500                                   # a payload byte; header intact
+    index.set(g_bad, raw[:i] + bytes([raw[i] ^ 0x01]) + raw[i + 1:])
+    index.close()
+    t = DiskTier(tier.path)
+    with pytest.raises(CorruptObjectError, match="'bad'.*checksum"):
+        t.read_into(g_bad, bytearray(1000))
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        t.get(g_bad)
+    assert t.get(g_good)[1] == good
+    assert t.info(g_bad).nbytes == 1000
+    t.close()
 
 
 @pytest.mark.parametrize("pipeline", [False, True])
 def test_flipped_byte_large_payload(tier, monkeypatch, pipeline):
-    monkeypatch.setattr(disk, "_PIPELINE_READS", pipeline)
-    tier.put("k", b"", payload(3 * MIB))
+    monkeypatch.setattr(_diskio, "_PIPELINE_READS", pipeline)
+    gen = put(tier, payload(3 * MIB))
     (f,) = data_files(tier.path)
-    with open(f, "r+b") as fh:
-        fh.seek(3 * MIB - 1)
-        last = fh.read(1)
-        fh.seek(3 * MIB - 1)
-        fh.write(bytes([last[0] ^ 0x80]))
+    flip(f, 3 * MIB - 1)
     with pytest.raises(CorruptObjectError, match="checksum"):
-        tier.get("k")
+        tier.get(gen)
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        tier.read_into(gen, bytearray(3 * MIB))
 
 
-def test_truncated_and_missing_file(tier):
-    tier.put("trunc", b"", payload(100 * KIB, 1))
+def test_truncated_longer_and_missing_files(tier):
+    trunc = put(tier, payload(100 * KIB, 1))
     (f,) = data_files(tier.path)
     os.truncate(f, 50 * KIB)
     with pytest.raises(CorruptObjectError, match="truncated"):
-        tier.read_into("trunc", bytearray(100 * KIB))
-    tier.put("gone", b"", payload(100 * KIB, 2))
+        tier.read_into(trunc, bytearray(100 * KIB))
+    longer = put(tier, payload(100 * KIB, 2))
     (g,) = [x for x in data_files(tier.path) if x != f]
-    os.unlink(g)
+    with open(g, "ab") as fh:
+        fh.write(b"more")
+    with pytest.raises(CorruptObjectError, match="102404 bytes"):
+        tier.get(longer)
+    gone = put(tier, payload(100 * KIB, 3))
+    (h,) = [x for x in data_files(tier.path) if x not in (f, g)]
+    os.unlink(h)
     with pytest.raises(CorruptObjectError, match="missing"):
-        tier.get("gone")
+        tier.get(gone)
+    with pytest.raises(CorruptObjectError, match="missing"):
+        tier.read_into(gone, bytearray(100 * KIB))
+    assert gone in tier and tier.delete(gone)
 
 
-# ------------------------------------------------------------------ expiry
+def test_read_of_blob_deleted_midway_is_keyerror(tier, monkeypatch):
+    gen = put(tier, payload(100 * KIB))
+    real = _diskio.read_payload
 
-def test_expire_at_in_the_past_is_invisible(tier):
-    tier.put("k", b"old", payload(100 * KIB))
-    tier.put("k", b"new", payload(100 * KIB), expire_at=time.time() - 1)
-    assert "k" not in tier and tier.info("k") is None
-    assert data_files(tier.path) == [] and tier.used == 0
+    def racing(*args, **kw):
+        tier.delete(gen)                 # between the index lookup and the open
+        return real(*args, **kw)
 
-
-def test_expiry_is_lazy_and_reclaims(tier):
-    tier.put("soon", b"", payload(100 * KIB), expire_at=time.time() + 0.3)
-    tier.put("later", b"", b"x", expire_at=time.time() + 3600)
-    tier.put("never", b"", b"y")
-    assert "soon" in tier and tier.used == 100 * KIB + 2
-    time.sleep(0.4)
-    assert list(tier.keys()) == ["later", "never"]     # scan reclaims "soon"
-    assert tier.used == 2 and data_files(tier.path) == []
-    tier.put("s2", b"", b"z", expire_at=time.time() + 0.2)
-    time.sleep(0.3)
-    assert "s2" not in tier and len(tier) == 2
+    monkeypatch.setattr(_diskio, "read_payload", racing)
     with pytest.raises(KeyError):
-        tier.get("s2")
-    tier.put("s3", b"", b"z", expire_at=time.time() + 0.2)
-    time.sleep(0.3)
-    assert tier.purge_expired() == 1 and len(tier) == 2
+        tier.get(gen)
 
 
-# ----------------------------------------------------- policy / maintenance
+def test_undecodable_record(tier):
+    good = put(tier, b"fine")
+    bad = put(tier, b"soon broken")
+    tier.close()
+    index = diskcache.Cache(os.path.join(tier.path, "index"))
+    index.set(bad, b"\x07garbage")
+    index.close()
+    t = DiskTier(tier.path)
+    with pytest.raises(CorruptObjectError, match="not a record"):
+        t.info(bad)
+    with pytest.raises(CorruptObjectError, match="not a record"):
+        t.get(bad)
+    assert bad in t and [e.gen for e in t.entries()] == [good]   # skipped, not fatal
+    assert t.delete(bad) and bad not in t
+    t.close()
 
-def test_entries(tier):
-    t0 = time.time()
-    tier.put("a", b"", payload(100 * KIB), priority=2)
-    tier.put("b", b"", b"xy", priority=-1, expire_at=t0 + 1000)
-    ents = list(tier.entries())
-    assert [e.key for e in ents] == ["a", "b"]
-    assert all(isinstance(e, DiskEntry) for e in ents)
-    a, b = ents
-    assert (a.nbytes, a.priority, a.expire_at) == (100 * KIB, 2, None)
-    assert (b.nbytes, b.priority, b.expire_at) == (2, -1, t0 + 1000)
-    assert t0 - 1 <= a.created <= b.created <= time.time() + 1
-    # an eviction policy may delete while iterating
-    for e in tier.entries():
-        tier.delete(e.key)
-    assert len(tier) == 0 and tier.used == 0
 
+# ----------------------------------------------------- maintenance
 
 def test_clear(tier):
     for i in range(30):
-        tier.put(f"k{i}", b"", payload(70 * KIB if i % 2 else 10, i))
+        put(tier, payload(70 * KIB if i % 2 else 10, i))
     assert tier.clear() == 30
-    assert len(tier) == 0 and tier.used == 0 and data_files(tier.path) == []
-    tier.put("again", b"", b"1")
-    assert list(tier.keys()) == ["again"]
+    assert list(tier.entries()) == [] and tier.used == 0 and data_files(tier.path) == []
+    gen = put(tier, b"1")
+    assert [e.gen for e in tier.entries()] == [gen]
+    assert tier.clear() == 1 and tier.clear() == 0
+
+
+def test_clear_many(tier):
+    gens = {put(tier, b"x") for _ in range(1234)}
+    assert {e.gen for e in tier.entries()} == gens
+    assert tier.clear() == 1234 and tier.used == 0
+
+
+def test_delete_while_iterating_entries(tier):
+    for i in range(250):
+        put(tier, payload(70 * KIB if i % 50 == 0 else 3, i))
+    assert sum(tier.delete(e.gen) for e in tier.entries()) == 250
+    assert tier.used == 0 and data_files(tier.path) == []
+
+
+def _orphan(tier, name: str = "ab" + "0" * 30) -> str:
+    d = os.path.join(tier.path, "data", name[:2])
+    os.makedirs(d, exist_ok=True)
+    p = os.path.join(d, name)
+    with open(p, "wb") as f:
+        f.write(b"left over by a crash between rename and commit")
+    return p
 
 
 def test_vacuum_removes_orphans_only(tier, monkeypatch):
-    tier.put("live", b"", payload(100 * KIB))
-    orphan_dir = os.path.join(tier.path, "data", "ab")
-    os.makedirs(orphan_dir, exist_ok=True)
-    orphan = os.path.join(orphan_dir, "ab" + "0" * 30)
-    with open(orphan, "wb") as f:
-        f.write(b"left over by a crash between rename and commit")
+    live = put(tier, payload(100 * KIB))
+    small = put(tier, b"small")
+    orphan = _orphan(tier)
     assert tier.vacuum() == 0                           # too young to judge
     monkeypatch.setattr(disk, "_ORPHAN_AGE", -1.0)
     assert tier.vacuum() == 1
-    assert not os.path.exists(orphan)
-    assert tier.get("live")[1] == payload(100 * KIB)
+    assert not os.path.exists(orphan) and len(data_files(tier.path)) == 1
+    assert tier.get(live)[1] == payload(100 * KIB) and tier.get(small)[1] == b"small"
+    assert tier.vacuum(min_age=0) == 0
+    orphan = _orphan(tier)
+    assert tier.vacuum(min_age=0) == 1 and not os.path.exists(orphan)
+
+
+def test_vacuum_removes_blobs_that_are_not_live(tier):
+    keep = {put(tier, payload(100 * KIB, i)) for i in range(3)} | {put(tier, b"k")}
+    drop = {put(tier, payload(100 * KIB, 9)), put(tier, b"dropped")}
+    asked = []
+
+    def is_live(gen):
+        asked.append(gen)
+        return gen in keep
+
+    assert tier.vacuum(live=is_live, min_age=0) == 2
+    assert sorted(asked) == sorted(keep | drop)
+    assert {e.gen for e in tier.entries()} == keep
+    assert tier.used == 300 * KIB + 1 and len(data_files(tier.path)) == 3
+    assert tier.vacuum(min_age=0) == 0                   # without live: blobs stay
+    assert {e.gen for e in tier.entries()} == keep
+
+
+def test_vacuum_removes_entries_of_another_layout(tier):
+    gen = put(tier, payload(100 * KIB))
+    tier.close()
+    index = diskcache.Cache(os.path.join(tier.path, "index"))
+    index.set(0, 12345)                                  # an older counter
+    index.set("0123456789abcdef/key", b"\x01" * 60)      # an older record
+    index.set(new_gen(), b"junk")                        # damaged beyond decoding
+    index.close()
+    t = DiskTier(tier.path)
+    assert [e.gen for e in t.entries()] == [gen] and t.used == 100 * KIB
+    assert t.vacuum(min_age=0) == 3
+    index = diskcache.Cache(os.path.join(tier.path, "index"))
+    assert sorted(map(str, index.iterkeys())) == sorted([str(gen), "used"])
+    index.close()
+    assert t.get(gen)[1] == payload(100 * KIB) and t.used == 100 * KIB
+    t.close()
 
 
 def test_temp_file_cleanup_rules(tmp_path):
     t = DiskTier(tmp_path / "ssd")
     tmpdir = os.path.join(t.path, "tmp")
     t.close()
-    mine = disk._tmp_prefix() + "a" * 32 + ".tmp"       # a live writer (us)
-    ns = disk._tmp_prefix().split("-")[0]
+    mine = _diskutil.tmp_prefix() + "a" * 32 + ".tmp"   # a live writer (us)
+    ns = _diskutil.tmp_prefix().split("-")[0]
     dead = f"{ns}-999999999-12345-{'b' * 32}.tmp"       # no such pid
     reused = f"{ns}-{os.getpid()}-1-{'c' * 32}.tmp"     # our pid, other start time
     odd_new, odd_old = "whatever.tmp", "ancient.tmp"
@@ -399,36 +550,41 @@ def test_temp_file_cleanup_rules(tmp_path):
     os.utime(os.path.join(tmpdir, odd_old), (past, past))
     DiskTier(tmp_path / "ssd").close()
     assert sorted(os.listdir(tmpdir)) == sorted([mine, odd_new])
+    t = DiskTier(tmp_path / "ssd")
+    with open(os.path.join(tmpdir, dead), "wb") as f:
+        f.write(b"partial")
+    os.utime(os.path.join(tmpdir, odd_new), (past, past))
+    assert t.vacuum() == 2                              # vacuum cleans up too
+    assert os.listdir(tmpdir) == [mine]
+    t.close()
 
 
 # ----------------------------------------------------------- concurrency
 
-def _slow_put_child(path: str, key: str, nbytes: int) -> None:
+def _slow_put_child(path: str, gen: int, nbytes: int) -> None:
     """Start a put whose write stalls after 1 MiB (the parent SIGKILLs us)."""
-    from yrcache.tiers import disk as d
+    from yrcache.tiers import _diskio as dio
 
     def stalling_write(fd, data):
         n = os.write(fd, data[:MIB])
         time.sleep(120)
         return n
 
-    d._os_write = stalling_write
-    t = d.DiskTier(path)
-    t.put(key, b"new", np.full(nbytes, 7, dtype=np.uint8))
+    dio._os_write = stalling_write
+    t = DiskTier(path)
+    t.put(gen, b"new", np.full(nbytes, 7, dtype=np.uint8), key="k")
 
 
-@pytest.mark.parametrize("overwrite", [False, True])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_sigkill_mid_put_leaves_no_trace(tmp_path, method, overwrite):
+def test_sigkill_mid_put_leaves_no_trace(tmp_path, method):
     root = str(tmp_path / "ssd")
     t = DiskTier(root)
-    old = payload(100 * KIB, 3)
-    if overwrite:
-        t.put("k", b"old", old)
+    old = put(t, payload(100 * KIB, 3), meta=b"old")
     used_before = t.used
     t.close()
+    gen = new_gen()
     ctx = mp.get_context(method)
-    p = ctx.Process(target=_slow_put_child, args=(root, "k", 8 * MIB))
+    p = ctx.Process(target=_slow_put_child, args=(root, gen, 8 * MIB))
     p.start()
     try:
         deadline = time.time() + 30
@@ -446,12 +602,9 @@ def test_sigkill_mid_put_leaves_no_trace(tmp_path, method, overwrite):
     assert len(tmp_files(root)) == 1                     # half-written, left behind
     t = DiskTier(root)                                   # next open cleans it
     assert tmp_files(root) == []
-    assert t.used == used_before
-    if overwrite:
-        assert t.get("k") == (b"old", bytearray(old))
-        assert len(data_files(root)) == 1
-    else:
-        assert "k" not in t and len(t) == 0 and data_files(root) == []
+    assert t.used == used_before and gen not in t
+    assert t.get(old) == (b"old", bytearray(payload(100 * KIB, 3)))
+    assert [e.gen for e in t.entries()] == [old] and len(data_files(root)) == 1
     t.close()
 
 
@@ -460,7 +613,7 @@ def _writer_child(path: str, prefix: str, count: int, start) -> None:
     start.wait(10)
     for i in range(count):
         n = 80 * KIB if i % 3 == 0 else 100 + i
-        t.put(f"{prefix}{i:03d}", prefix.encode(), payload(n, i), priority=i)
+        put(t, payload(n, i), meta=prefix.encode(), key=f"{prefix}{i:03d}", priority=i)
     t.close()
 
 
@@ -477,70 +630,80 @@ def test_two_processes_write_concurrently(tmp_path):
         p.join(30)
         assert p.exitcode == 0
     t = DiskTier(root)
+    ents = list(t.entries())
+    assert len(ents) == 80
     expected = 0
-    for pre in ("p/", "q/"):
-        keys = list(t.keys(pre))
-        assert len(keys) == 40
-        for i, k in enumerate(keys):
-            n = 80 * KIB if i % 3 == 0 else 100 + i
-            expected += n
-            assert t.get(k) == (pre.encode(), bytearray(payload(n, i)))
-    assert t.used == expected and len(t) == 80
+    for e in ents:
+        i = int(e.key[2:])
+        n = 80 * KIB if i % 3 == 0 else 100 + i
+        expected += n
+        assert (e.nbytes, e.priority, e.meta) == (n, i, e.key[:2].encode())
+        assert t.get(e.gen) == (e.key[:2].encode(), bytearray(payload(n, i)))
+    assert t.used == expected
     assert len(data_files(root)) == 2 * 14
+    t.close()
 
 
-def _big_round_trip_child(path: str) -> None:
+def _big_round_trip_child(path: str, gen: int) -> None:
     t = DiskTier(path)
     data = payload(3 * MIB, 9)
-    t.put("child", b"c", data)
-    assert t.get("child") == (b"c", bytearray(data))
+    t.put(gen, b"c", data, key="child")
+    assert t.get(gen) == (b"c", bytearray(data))
     out = bytearray(3 * MIB)
-    t.read_into("child", out)
+    t.read_into(gen, out)
     assert out == data
 
 
 def test_fork_after_hash_threads_exist(tmp_path, monkeypatch):
     # The parent parks helper hash threads; a forked child (which has none of
     # those threads) must not hand its chunks to them and hang.
-    monkeypatch.setattr(disk, "_PIPELINE_READS", True)
+    monkeypatch.setattr(_diskio, "_PIPELINE_READS", True)
     root = str(tmp_path / "ssd")
     t = DiskTier(root)
-    t.put("parent", b"", payload(3 * MIB, 1))
-    t.get("parent")
-    assert disk._idle_workers
-    p = mp.get_context("fork").Process(target=_big_round_trip_child, args=(root,))
+    t.get(put(t, payload(3 * MIB, 1)))
+    assert _diskio._idle_workers
+    gen = new_gen()
+    p = mp.get_context("fork").Process(target=_big_round_trip_child, args=(root, gen))
     p.start()
     p.join(30)
     if p.is_alive():
         os.kill(p.pid, signal.SIGKILL)
         p.join()
     assert p.exitcode == 0
-    assert t.get("child")[1] == payload(3 * MIB, 9)
+    assert t.get(gen)[1] == payload(3 * MIB, 9)
+    t.close()
 
 
-def test_readers_never_see_torn_objects(tier):
+def test_readers_never_see_torn_blobs(tier):
+    # A writer keeps replacing the current copy (new generation, then delete
+    # the old one); readers of any generation get all of its bytes or KeyError.
     sizes = {b"A": 300 * KIB, b"B": 200 * KIB, b"C": 1000}
     stop = threading.Event()
     errors: list[BaseException] = []
-    reads = [0]
+    reads, gone = [0], [0]
+    current = [put(tier, b"A" * sizes[b"A"], meta=b"A")]
 
     def writer():
         i = 0
         while not stop.is_set():
             tag = b"ABC"[i % 3:i % 3 + 1]
-            tier.put("k", tag, tag * sizes[tag])
+            old, current[0] = current[0], put(tier, tag * sizes[tag], meta=tag)
+            tier.delete(old)
             i += 1
 
     def reader():
         try:
             while not stop.is_set():
-                meta, data = tier.get("k")
+                try:
+                    meta, data = tier.get(current[0])
+                except KeyError:
+                    gone[0] += 1
+                    continue
                 assert len(data) == sizes[meta] and data.count(meta) == len(data)
                 reads[0] += 1
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
-    tier.put("k", b"A", b"A" * sizes[b"A"])
     threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
     for th in threads:
         th.start()
@@ -550,65 +713,35 @@ def test_readers_never_see_torn_objects(tier):
         th.join()
     assert not errors, errors[0]
     assert reads[0] > 10
-    assert len(data_files(tier.path)) <= 1 and tier.used == sizes[tier.get("k")[0]]
-
-
-@pytest.mark.parametrize("same_size", [False, True])
-def test_read_retries_when_overwritten_midway(tier, monkeypatch, same_size):
-    v1, v2 = payload(100 * KIB, 1), payload(100 * KIB if same_size else 150 * KIB, 2)
-    tier.put("k", b"v1", v1)
-    real = DiskTier._read_file
-    raced = []
-
-    def racing(self, key, fpath, mv, rec):
-        if not raced:                    # overwrite between lookup and open
-            raced.append(fpath)
-            self.put("k", b"v2", v2)
-        return real(self, key, fpath, mv, rec)
-
-    monkeypatch.setattr(DiskTier, "_read_file", racing)
-    if same_size:
-        out = bytearray(len(v1))
-        assert tier.read_into("k", out) == b"v2" and out == v2
-    else:
-        assert tier.get("k") == (b"v2", bytearray(v2))
-    assert raced and not os.path.exists(raced[0])
-
-
-def test_read_of_deleted_object_midway_is_keyerror(tier, monkeypatch):
-    tier.put("k", b"v1", payload(100 * KIB))
-    real = DiskTier._read_file
-
-    def racing(self, key, fpath, mv, rec):
-        self.delete("k")
-        return real(self, key, fpath, mv, rec)
-
-    monkeypatch.setattr(DiskTier, "_read_file", racing)
-    with pytest.raises(KeyError):
-        tier.get("k")
+    assert [e.gen for e in tier.entries()] == [current[0]]
+    assert len(data_files(tier.path)) <= 1 and tier.used == tier.info(current[0]).nbytes
 
 
 # ------------------------------------------------------- model-based check
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(st.sampled_from(["put", "delete"]),
-                          st.sampled_from(["a", "b", "c", "ab"]),
+                          st.integers(0, 5),
                           st.sampled_from([0, 5, 99, 100, 101, 3000])), max_size=25))
 def test_matches_a_dict_model(tmp_path_factory, ops):
     t = DiskTier(tmp_path_factory.mktemp("ssd"), inline_threshold=100)
-    model: dict[str, bytes] = {}
-    for i, (op, key, n) in enumerate(ops):
-        if op == "put":
+    model: dict[int, tuple[bytes, bytes]] = {}
+    made: list[int] = []
+    for i, (op, pick, n) in enumerate(ops):
+        if op == "put" or not made:
+            gen = new_gen()
             data = payload(n, i)
-            t.put(key, key.encode(), data)
-            model[key] = data
+            t.put(gen, str(i).encode(), data, key=f"k{pick}", priority=pick)
+            model[gen] = (str(i).encode(), data)
+            made.append(gen)
         else:
-            assert t.delete(key) == (key in model)
-            model.pop(key, None)
-    assert list(t.keys()) == sorted(model)
-    assert list(t.keys("a")) == sorted(k for k in model if k.startswith("a"))
-    for k, v in model.items():
-        assert t.get(k) == (k.encode(), bytearray(v))
-    assert t.used == sum(map(len, model.values())) and len(t) == len(model)
-    assert len(data_files(t.path)) == sum(len(v) >= 100 for v in model.values())
+            gen = made[pick % len(made)]
+            assert t.delete(gen) == (gen in model)
+            model.pop(gen, None)
+    assert sorted(e.gen for e in t.entries()) == sorted(model)
+    for gen, (meta, data) in model.items():
+        assert t.get(gen) == (meta, bytearray(data))
+        assert isinstance(t.info(gen), BlobInfo)
+    assert t.used == sum(len(d) for _, d in model.values())
+    assert len(data_files(t.path)) == sum(len(d) >= 100 for _, d in model.values())
     t.close()
