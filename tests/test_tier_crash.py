@@ -263,7 +263,7 @@ def _mark_moves(moving) -> None:
         return move
 
     Mover.spill = marked(Mover.spill, SPILL)
-    Mover.promote = marked(Mover.promote, PROMOTE)
+    Mover.promote_ssd = marked(Mover.promote_ssd, PROMOTE)
 
 
 def _churn(name, ssd, log_path, seed, ready, adopt, moving=None):
@@ -415,7 +415,6 @@ def test_sigkill_in_the_middle_of_spills(cleanup_name, tmp_path):
 
 def _die_at(name, ssd, where, ready):
     """Owner that fills the store, then SIGKILLs itself at ``where`` during a move."""
-    from yrcache import mover
     from yrcache.tiers import disk
 
     s = TieredStore(name=name, dram="1MiB", ssd=ssd, ssd_size="32MiB")
@@ -431,12 +430,18 @@ def _die_at(name, ssd, where, ready):
         disk.DiskTier._commit = die
         s.put("new", arr(60), tier=Tier.SSD)
     elif where == "on disk, spill stub not committed":
-        mover.Mover._commit_stub = die
+        real = disk.DiskTier.put
+
+        def put_then_die(self, *a, **k):
+            real(self, *a, **k)
+            die()
+
+        disk.DiskTier.put = put_then_die
         for i in range(3, 8):
             s.put(f"k{i}", arr(i))                     # the first spill dies
     elif where == "index committed, old payload not unlinked":
-        disk.DiskTier._unlink_payload = die
-        s.put("old", arr(51), tier=Tier.SSD)           # replaces the old file
+        disk.DiskTier.delete = die
+        s.put("old", arr(51), tier=Tier.SSD)           # the new stub retires the old copy
     time.sleep(300)                                    # not reached
 
 
@@ -454,6 +459,7 @@ def test_kill_mid_move_leaves_no_stray_file_after_adopt(cleanup_name, tmp_path, 
     p.join(60)
     if p.is_alive():
         kill_and_join(p)
+        pytest.fail(f"the child never reached {where!r}")
     assert p.exitcode == -signal.SIGKILL, f"the child did not die at {where!r} (exit code {p.exitcode})"
     assert ready.is_set()
     s = TieredStore(name=name, dram="1MiB")           # adopt: vacuums

@@ -38,7 +38,7 @@ def test_expired_hbm_tensor_gives_its_device_memory_back(make_store):
     assert "t" not in s
     s.put("u", tensor(600 * KiB, 2.0), tier=Tier.HBM)
     assert s.tier_of("u") == Tier.HBM, "the expired tensor still held the device tier"
-    assert s._hbm.tier.used == 600 * KiB
+    assert s._hbm.device.used == 600 * KiB
     assert s.stats()["tiers"]["hbm"]["used"] == 600 * KiB
     s.check()
 
@@ -90,7 +90,7 @@ def test_store_full_message_with_an_ssd_tier(make_store, tmp_path):
     s = make_store(dram="1MiB", ssd=tmp_path / "ssd", ssd_size="512KiB")
     with pytest.raises(StoreFullError) as e:
         s["big"] = np.ones(2 * MiB, np.uint8)      # refused by the SSD tier itself
-    for msg in (str(e.value), str(s._full_error(2 * MiB))):   # and by the store (no room for a stub)
+    for msg in (str(e.value), str(s._placement.full_error(2 * MiB))):   # and by the store (no room for a stub)
         assert "no SSD tier configured" not in msg
         assert "SSD" in msg and "ssd_size=" in msg and str(tmp_path / "ssd") in msg
 

@@ -107,7 +107,7 @@ class BlobTier(ABC):
         """Every blob (for rebuilding the index and for checks).  O(blobs)."""
 
     def __contains__(self, gen: object) -> bool:
-        return isinstance(gen, int) and self.info(gen) is not None
+        return type(gen) is int and 0 < gen < 1 << 63 and self.info(gen) is not None
 
     def close(self) -> None:  # noqa: B027 - a default, not abstract: most tiers hold nothing to close
         """Release this handle; the blobs of a shared tier stay."""

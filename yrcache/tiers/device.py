@@ -72,6 +72,9 @@ class DeviceTier(BlobTier):
         self._blobs: dict[int, _Blob] = {}
         self._lock = threading.Lock()
 
+    def __contains__(self, gen: object) -> bool:
+        return gen in self._blobs if type(gen) is int else False
+
     @property
     def capacity(self) -> int:
         return self._capacity
@@ -91,8 +94,9 @@ class DeviceTier(BlobTier):
         torch = _torch()
         if codec.is_tensor(payload):
             src = payload.detach()
-        else:   # host bytes: rebuild the tensor they encode (no copy), then copy it over
-            src = codec.decoder(meta)(memoryview(payload).cast("B"), memoryview(payload).nbytes)
+        else:   # host bytes: the tensor they encode (no copy), or raw bytes
+            raw = np.frombuffer(memoryview(payload).cast("B"), dtype=np.uint8)
+            src = codec.decoder(meta)(raw, raw.nbytes) if meta[:2] == b"T;" else torch.from_numpy(raw)
         nbytes = src.numel() * src.element_size()
         with self._lock:
             if gen in self._blobs:
