@@ -423,6 +423,6 @@ def print_footer(env: dict, rows: list[dict], foreign_cpus: float | None, t_star
 
 def destroy_store(name: str) -> None:
     """Remove a store's segment by name (cleanup after an interrupted run)."""
-    from yrcache.tiers.shm import destroy
+    from yrcache.tiers.dram import destroy
 
     destroy(name)

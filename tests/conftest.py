@@ -9,7 +9,10 @@ import uuid
 
 import pytest
 
-from yrcache.tiers import dram
+# The shared suites are imported by the test modules: rewrite their asserts too.
+pytest.register_assert_rewrite("store_suite", "tier_suite")
+
+from yrcache.tiers import dram  # noqa: E402
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.register_assert_rewrite("tier_suite")
 
 from tier_suite import TierTests  # noqa: E402
 

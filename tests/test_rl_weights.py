@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from yrcache.rl import Fused, Shard, WeightPublisher, WeightSubscriber
-from yrcache.rl import weights as W
+from yrcache.rl import subscribe as W
 
 # --------------------------------------------------------------------------- helpers
 

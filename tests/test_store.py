@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-pytest.register_assert_rewrite("store_suite")
 
 from store_suite import StoreSuite  # noqa: E402
 

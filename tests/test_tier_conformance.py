@@ -25,7 +25,6 @@ import os
 import numpy as np
 import pytest
 
-pytest.register_assert_rewrite("store_suite")
 
 from store_suite import LARGE, StoreSuite, assert_tensor_same, drop, sample_tensor  # noqa: E402
 

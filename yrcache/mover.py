@@ -143,6 +143,7 @@ class Mover:
         info = a.get(kb, dram.PIN | dram.QUIET)
         if info is None:
             return 0
+        info = a.copy_info(info)   # kept across the disk write
         try:
             if info.seq != c.seq or info.tier != TIER_DRAM:
                 return 0

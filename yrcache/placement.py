@@ -243,23 +243,24 @@ class Placement:
     def read(self, key: str, info, meta: bytes, decoder: Callable) -> Any:
         """The value of a pinned lookup (the pin is consumed), or RETRY."""
         a = self.a
-        if info.tier == TIER_HBM:
-            a.unpin(info.pin)
-            from . import hbm
-
-            if self.hbm is not None and info.holder == a.slot:
-                t = self.hbm.device.get(info.gen)
-                return t if t is not None else RETRY
-            hbm.request(a, key, info)
-            return RETRY
-        if info.tier != TIER_DRAM:
-            a.unpin(info.pin)   # a stub: the bytes live in a lower tier
+        if info.tier == TIER_DRAM:
+            if self.hbm is not None and self.hbm.wants(info, meta):
+                info = a.copy_info(info)     # the promotion looks other objects up
+                t = self.hbm.promote(key, info, meta)
+                if t is not None:
+                    return t
+            return decoder(a.pinned_buffer(info.payload_off, info.nbytes, info.pin, info.block_off), info.nbytes)
+        info = a.copy_info(info)
+        a.unpin(info.pin)        # a stub: the bytes live in a lower tier
+        if info.tier == TIER_SSD:
             return self.read_ssd(key, info, meta)
-        if self.hbm is not None and self.hbm.wants(info, meta):
-            t = self.hbm.promote(key, info, meta)
-            if t is not None:
-                return t
-        return decoder(a.pinned_buffer(info.payload_off, info.nbytes, info.pin, info.block_off), info.nbytes)
+        if self.hbm is not None and info.holder == a.slot:
+            t = self.hbm.device.get(info.gen)
+            return t if t is not None else RETRY
+        from .hbm import request
+
+        request(a, key, info)
+        return RETRY
 
     def read_ssd(self, key: str, info, meta: bytes) -> Any:
         """An SSD object: promoted into DRAM if it is hot, else a private copy."""

@@ -70,4 +70,49 @@ int yr_populate_write(void *addr, uint64_t size) {
     return madvise(addr, size, MADV_POPULATE_WRITE) == 0 ? 0 : -errno;
 }
 
-void yr_memcpy(void *dst, const void *src, uint64_t n) { memcpy(dst, src, n); }
+/* Copies of at least this many bytes bypass the caches (non-temporal
+ * stores): they are far larger than a core's share of L3, so caching them
+ * only evicts everything else -- the reader's interpreter state included, which
+ * then costs ~100 us of misses on the next call -- and runs at half speed
+ * (measured: 64 MiB at 14 GB/s streamed, 6-7 GB/s through memcpy). */
+#define NT_COPY_MIN (8u << 20)
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+__attribute__((target("avx2")))
+static void stream_avx2(char *d, const char *s, uint64_t blocks) {
+    for (; blocks; blocks--, s += 64, d += 64) {
+        _mm_prefetch(s + 512, _MM_HINT_NTA);
+        __m256i a = _mm256_loadu_si256((const __m256i *)s);
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + 32));
+        _mm256_stream_si256((__m256i *)d, a);
+        _mm256_stream_si256((__m256i *)(d + 32), b);
+    }
+}
+
+static void stream_sse2(char *d, const char *s, uint64_t blocks) {
+    for (; blocks; blocks--, s += 64, d += 64) {
+        _mm_prefetch(s + 512, _MM_HINT_NTA);
+        for (int i = 0; i < 64; i += 16)
+            _mm_stream_si128((__m128i *)(d + i), _mm_loadu_si128((const __m128i *)(s + i)));
+    }
+}
+
+static void stream_copy(char *d, const char *s, uint64_t n) {
+    uint64_t head = (64 - ((uintptr_t)d & 63)) & 63;   /* align the destination */
+    memcpy(d, s, head);
+    d += head; s += head; n -= head;
+    if (__builtin_cpu_supports("avx2")) stream_avx2(d, s, n / 64);
+    else stream_sse2(d, s, n / 64);
+    _mm_sfence();
+    memcpy(d + (n & ~(uint64_t)63), s + (n & ~(uint64_t)63), n & 63);
+}
+#else
+static void stream_copy(char *d, const char *s, uint64_t n) { memcpy(d, s, n); }
+#endif
+
+void yr_memcpy(void *dst, const void *src, uint64_t n) {
+    if (n >= NT_COPY_MIN) stream_copy(dst, src, n);
+    else memcpy(dst, src, n);
+}

@@ -24,6 +24,9 @@ from typing import Any
 
 #: Every live arena mapping of this process (dram.Arena adds itself).
 ARENAS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+#: This process's pid, kept current across forks (os.getpid() is a syscall,
+#: and the hot paths ask for it).
+PID = os.getpid()
 
 
 def _before_fork() -> None:
@@ -50,8 +53,9 @@ def _after_fork_in_parent() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _exit_hook_pid
+    global _exit_hook_pid, PID
     _exit_hook_pid = 0
+    PID = os.getpid()
     for arena in list(ARENAS):
         try:
             _adopt_in_child(arena)

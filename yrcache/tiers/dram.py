@@ -33,11 +33,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from .._arena import ffi, lib
-from ..errors import StoreFullError, StoreNotFoundError, YrcacheError
-from ..sizes import format_size
+from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
-from .segment import (SHM_DIR, check_name, check_trusted, destroy, list_stores, open_segment,  # noqa: F401
-                      proc_starttime, seg_path, shm_name, unlink_if)
+from .segment import (SHM_DIR, check_name, check_trusted, destroy, list_stores, no_room,  # noqa: F401
+                      open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
 # The C core's constants (one definition, in _csrc/arena.h).
 TIER_HBM, TIER_DRAM, TIER_SSD = lib.YR_TIER_HBM, lib.YR_TIER_DRAM, lib.YR_TIER_SSD
@@ -181,7 +180,8 @@ def _scratch():
     try:
         return _tls.s
     except AttributeError:
-        _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"))
+        _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"),
+                  ffi.new("yr_objinfo *"))
         return _tls.s
 
 
@@ -258,22 +258,15 @@ class Arena:
                 return base
             lib.yr_unmap(base, self.size)
             if rc != -errno.EINVAL:     # EINVAL: a kernel without MADV_POPULATE_WRITE
-                raise self._no_room("its pages could not be allocated" if rc in (-errno.EFAULT, -errno.ENOMEM)
+                raise no_room(self.name, self.size, "its pages could not be allocated" if rc in (-errno.EFAULT, -errno.ENOMEM)
                                     else os.strerror(-rc))
         try:
             os.posix_fallocate(self._fd, 0, self.size)
         except OSError as e:
             if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                 raise
-            raise self._no_room(e.strerror) from None
+            raise no_room(self.name, self.size, e.strerror) from None
         return lib.yr_map(self._fd, self.size, int(prefault))
-
-    def _no_room(self, why: str) -> StoreFullError:
-        return StoreFullError(
-            f"cannot create store {self.name!r}: {SHM_DIR} has no room for "
-            f"{format_size(self.size)} ({why}); choose a smaller dram=, free shared memory "
-            f"(`yrcache list`, `yrcache destroy NAME`), or enlarge {SHM_DIR}"
-        )
 
     # ------------------------------------------------------------ settings
 
@@ -324,7 +317,7 @@ class Arena:
     @property
     def slot(self) -> int:
         """This process's slot; a forked child takes its own on first use."""
-        if self.pid != os.getpid():
+        if self.pid != _fork.PID:
             with self._lock:
                 if self.pid != os.getpid():
                     self.register()
@@ -348,13 +341,13 @@ class Arena:
         """A buffer over ``nbytes`` at ``offset`` that unpins ``pin`` when the
         last view built on it dies (its closure keeps this mapping alive)."""
         self.views[pin] = block
-        pid = os.getpid()
+        pid = _fork.PID
         ptr = ffi.gc(self.cbase + offset, lambda _p: self._release(pid, pin))
         return ffi.buffer(ptr, nbytes)
 
     def _release(self, pid: int, pin: int) -> None:
         try:
-            if pid != os.getpid():   # a view inherited across fork: release our own pin
+            if pid != _fork.PID:   # a view inherited across fork: release our own pin
                 pin = self.remap.pop((pid, pin), 0)
                 if not pin:
                     return
@@ -382,7 +375,7 @@ class Arena:
         """Reserve a block for an object (with room for its payload when it
         lives here, a stub otherwise); None when no block fits."""
         alloc = nbytes if tier == TIER_DRAM else 0
-        d, _, poff = _scratch()
+        d, _, poff, _ = _scratch()
         d.alloc_bytes, d.nbytes, d.priority, d.expire_at = alloc, nbytes, priority, expire_at
         d.access_count, d.gen, d.tier, d.holder = access_count, gen, tier, holder
         off = lib.yr_reserve(self.base, self.slot, kb, len(kb), meta, len(meta), d, poff)
@@ -414,8 +407,13 @@ class Arena:
         return check(done, "mset"), retired
 
     def get(self, kb: bytes, flags: int = PIN, info=None):
-        """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing."""
-        info = info if info is not None else ffi.new("yr_objinfo *")
+        """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing.
+
+        Without ``info`` the result is this thread's scratch record, valid
+        until the thread's next lookup: copy it (``copy_info``) to keep it.
+        """
+        if info is None:
+            info = _scratch()[3]
         rc = lib.yr_get(self.base, self.slot, kb, len(kb), flags, info)
         if rc == lib.YR_ENOTFOUND:
             return None
@@ -436,6 +434,13 @@ class Arena:
                                "drop references to values you no longer need")
         check(rc, "mget")
         return infos, found
+
+    @staticmethod
+    def copy_info(info):
+        """A private copy of a lookup result (the scratch one is reused)."""
+        out = ffi.new("yr_objinfo *")
+        out[0] = info[0] if ffi.typeof(info).kind == "pointer" else info   # a record of mget's array
+        return out
 
     def peek(self, kb: bytes) -> tuple[Any, bytes] | None:
         """(info, codec header) of ``kb`` without a pin or a read counted; None when missing."""

@@ -10,7 +10,8 @@ import re
 
 import posix_ipc
 
-from ..errors import StoreNotFoundError, UntrustedStoreError
+from ..errors import StoreFullError, StoreNotFoundError, UntrustedStoreError
+from ..sizes import format_size
 
 PREFIX = "/yrcache."
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
@@ -115,3 +116,11 @@ def open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
     finally:
         shm.close_fd()
     return fd, created
+
+
+def no_room(name: str, size: int, why: str) -> StoreFullError:
+    """The error for a new segment that /dev/shm cannot back."""
+    return StoreFullError(
+        f"cannot create store {name!r}: {SHM_DIR} has no room for {format_size(size)} ({why}); "
+        "choose a smaller dram=, free shared memory (`yrcache list`, `yrcache destroy NAME`), "
+        f"or enlarge {SHM_DIR}")

@@ -1,0 +1,262 @@
+"""Publishing: a trainer rank stores its shard of a state dict as one version.
+
+See ``weights.py`` for the storage layout and the protocol.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import codec
+from .board import FORMAT, VersionBoard, merge_manifests
+from .reshard import Shard
+
+__all__ = ["WeightPublisher"]
+
+PROGRESS_MIN_BYTES = 256 << 20   # show a progress bar for fetches at least this big (on a tty)
+BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
+
+
+def _torch():
+    return codec._torch()
+
+
+def _check_version(version: Any) -> int:
+    if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
+        raise TypeError(f"version must be a non-negative int, got {type(version).__name__} {version!r}")
+    version = int(version)
+    if version < 0 or version >= 10 ** 20:
+        raise ValueError(f"version must be in 0..10**20-1, got {version}")
+    return version
+
+
+class _Source(NamedTuple):
+    value: Any
+    kind: str
+    dtype: str
+    shape: tuple
+    nbytes: int
+    meta: bytes
+
+
+def _torch_dtype(dtype: Any):
+    torch = _torch()
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return torch.from_numpy(np.empty(0, dtype=np.dtype(dtype))).dtype
+    except (TypeError, ValueError):
+        raise TypeError(f"dtype {dtype!r} has no torch equivalent; pass a torch.dtype") from None
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        try:
+            return torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            raise TypeError(f"numpy has no {dtype}; publish torch tensors to store or fetch "
+                            f"{dtype} (numpy arrays can only be cast to numpy dtypes)") from None
+    return np.dtype(dtype)
+
+
+def _is_torch_dtype(dtype: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(dtype, torch.dtype)
+
+
+def _source(tname: str, value: Any, dtype: Any) -> _Source:
+    """Describe one state-dict value as it will be stored (after the optional cast)."""
+    if isinstance(value, np.ndarray) and dtype is not None and value.dtype.kind == "f" \
+            and _is_torch_dtype(dtype):
+        value = _torch().from_numpy(np.ascontiguousarray(value))  # cast to a torch dtype (bf16)
+    if codec.is_tensor(value):
+        t = value.detach()
+        if t.layout != _torch().strided:
+            raise TypeError(f"tensor {tname!r} is sparse; call .to_dense() before publishing")
+        sd = _torch_dtype(dtype) if dtype is not None and t.is_floating_point() else t.dtype
+        shape = tuple(t.shape)
+        return _Source(t, "torch", str(sd).replace("torch.", ""), shape,
+                       math.prod(shape) * sd.itemsize, codec.tensor_meta(sd, shape))
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "biufc":
+            raise TypeError(f"tensor {tname!r} has numpy dtype {value.dtype}; numeric or bool only")
+        sd = _numpy_dtype(dtype) if dtype is not None and value.dtype.kind == "f" else value.dtype
+        sd = sd.newbyteorder("=") if sd.byteorder == ">" else sd
+        return _Source(value, "numpy", sd.str, value.shape, value.size * sd.itemsize,
+                       codec.array_meta(sd, value.shape))
+    raise TypeError(f"state dict value {tname!r} is a {type(value).__name__}; "
+                    "publish torch tensors or numpy arrays")
+
+
+def _filler(src: _Source):
+    def fill(u8: np.ndarray) -> None:
+        if u8.size == 0:
+            return
+        if src.kind == "torch":
+            torch, t = _torch(), src.value
+            sd = getattr(torch, src.dtype)
+            if t.device.type == "cpu" and t.dtype == sd and t.is_contiguous():
+                np.copyto(u8, t.reshape(-1).view(torch.uint8).numpy())   # a plain memcpy
+            else:   # cast and/or device->host in one copy
+                torch.from_numpy(u8).view(sd).view(src.shape).copy_(t)
+        else:
+            np.copyto(u8.view(np.dtype(src.dtype)).reshape(src.shape), src.value, casting="unsafe")
+    return fill
+
+
+class WeightPublisher:
+    """Trainer rank ``rank`` of ``world`` publishing versions of the weight set ``name``.
+
+    ``keep`` newest complete versions stay readable; older ones are retired
+    when a newer version completes (give every rank the same ``keep``).
+    """
+
+    def __init__(self, store, name: str, rank: int = 0, world: int = 1, keep: int = 2):
+        for what, v, lo in (("rank", rank, 0), ("world", world, 1), ("keep", keep, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
+        if rank >= world:
+            raise ValueError(f"rank must be in 0..{world - 1} for world={world}, got {rank}")
+        self.store, self.name, self.rank, self.world, self.keep = store, name, rank, world, keep
+        self.board = VersionBoard(store, name)
+        self.last_version: int | None = None
+        self.last_publish_stats: dict = {}
+        self._pending: set[int] = set()
+
+    def publish(self, state: Mapping[str, Any], version: int, layout: Mapping[str, Shard | None] | None = None,
+                dtype: Any = None) -> bool:
+        """Publish this rank's part of ``state`` as ``version``; True if the version is now visible.
+
+        ``layout[name] = Shard(dim, index=rank, count=world)`` marks a tensor as
+        this rank's slab of a global tensor concatenated along ``dim`` in rank
+        order; a tensor without an entry is replicated and stored by rank 0
+        only.  ``dtype`` casts floating-point values on the way into the store
+        (one copy; a numpy array given a torch dtype is stored as a tensor).
+        The version becomes visible when every rank has published it.
+        """
+        t0 = time.perf_counter()
+        version = _check_version(version)
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"version {version} of {self.name!r} is not newer than this rank's last "
+                             f"published version {self.last_version}; versions must increase")
+        latest = self.board.latest()
+        if latest is not None and version <= latest:
+            raise ValueError(f"version {version} of {self.name!r} is not newer than the latest complete "
+                             f"version {latest}; versions are immutable, publish a higher one")
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping of name -> tensor, not {type(state).__name__}")
+        layout = dict(layout or {})
+        for t, spec in layout.items():
+            if t not in state:
+                raise ValueError(f"layout names {t!r}, which is not in the state dict")
+            if spec is None:
+                continue
+            if not isinstance(spec, Shard):
+                raise TypeError(f"publish layout[{t!r}] must be a Shard or None, not {type(spec).__name__}")
+            if (spec.index, spec.count) != (self.rank, self.world):
+                raise ValueError(f"layout[{t!r}] = {spec} on rank {self.rank} of {self.world}: a publish "
+                                 f"Shard must be Shard(dim, index={self.rank}, count={self.world})")
+        sources = []
+        for t, value in state.items():
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"state dict keys must be non-empty str, got {t!r}")
+            src = _source(t, value, dtype)
+            spec = layout.get(t)
+            dim = None if spec is None else spec.resolve_dim(len(src.shape))
+            sources.append((t, src, dim))
+
+        if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
+            self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
+        self._check_world(version)              # before writing anything
+        self.board.begin(version)
+        nonce = uuid.uuid4().hex[:12]
+        tensors, written, nbytes = {}, [], 0
+        try:
+            for t, src, dim in sources:
+                entry = {"kind": src.kind, "dtype": src.dtype, "shape": list(src.shape), "dim": dim,
+                         "key": None}
+                if dim is not None or self.rank == 0:
+                    key = self.board.part_key(version, self.rank, nonce, t)
+                    self.store.put_with(key, src.meta, src.nbytes, _filler(src))
+                    written.append(key)
+                    entry["key"] = key
+                    nbytes += src.nbytes
+                tensors[t] = entry
+            self.board.record_rank(version, self.rank, {
+                "format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
+                "world": self.world, "nonce": nonce, "tensors": tensors})
+        except BaseException:
+            for k in written:
+                self.store.delete(k)
+            raise
+        # Again now that our manifest is there: of two ranks racing, the later one sees
+        # the other.  Nothing is rolled back (peers of our world may already have read
+        # our manifest); the parts go when a newer version retires this one.
+        self._check_world(version)
+        self.last_version = version
+        visible = self._try_complete(version)
+        latest = self.board.latest()
+        for v in sorted(self._pending):     # an earlier version whose last rank died after its manifest
+            try:
+                if (latest is None or v > latest) and not self._try_complete(v):
+                    continue
+            except ValueError:
+                pass                        # already reported to the rank that completed it
+            self._pending.discard(v)
+        if not visible:
+            self._pending.add(version)
+        self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
+                                   "seconds": time.perf_counter() - t0, "complete": visible}
+        return visible
+
+    def _check_world(self, version: int) -> None:
+        """Refuse a version that another rank publishes with another ``world``.
+
+        Ranks that disagree on ``world`` would each wait for a different set of
+        manifests and the version would never complete, silently.
+        """
+        for rank, m in sorted(self.board.manifests(version).items()):
+            if rank != self.rank and m.get("world") != self.world:
+                raise ValueError(
+                    f"version {version} of {self.name!r}: rank {rank} published it with world="
+                    f"{m.get('world')}, but this rank {self.rank} has world={self.world}; every rank of a "
+                    "weight set must pass the same world: fix the misconfigured rank, or publish a newer "
+                    "version if that manifest is left over from an earlier run")
+
+    def _try_complete(self, version: int) -> bool:
+        """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim."""
+        if self.board.completion(version) is not None:
+            return True
+        manifests = self.board.rank_manifests(version, self.world)
+        if any(m is None for m in manifests):
+            return False
+        merge_manifests(manifests, self.name, version)       # refuse an inconsistent version
+        self.board.complete(version, {"version": version, "world": self.world, "keep": self.keep,
+                                      "nonces": [m["nonce"] for m in manifests]})
+        self._reclaim()
+        return True
+
+    def _reclaim(self) -> None:
+        done = self.board.complete_versions()
+        if len(done) <= self.keep:
+            return
+        threshold = done[-self.keep]
+        for v in self.board.versions():
+            if v < threshold:
+                self.board.retire(v)
+
+    def latest(self) -> int | None:
+        """The newest complete version of this weight set, or None."""
+        return self.board.latest()
+
+    def __repr__(self) -> str:
+        return (f"<WeightPublisher {self.name!r} rank {self.rank}/{self.world} keep={self.keep} "
+                f"last={self.last_version}>")

@@ -1,0 +1,386 @@
+"""Subscribing: a rollout rank waits for versions and fetches exactly its slice.
+
+See ``weights.py`` for the storage layout and the protocol.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import codec
+from .board import VersionBoard, _Tensor, merge_manifests
+from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
+from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
+
+__all__ = ["WeightSubscriber"]
+
+PROGRESS_MIN_BYTES = 256 << 20   # show a progress bar for fetches at least this big (on a tty)
+BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
+
+
+# --------------------------------------------------------------------------- fetch
+
+
+class _Plan(NamedTuple):
+    """A copy plan (``reshard.PLAN_COLUMNS`` rows) compiled into a few strided byte copies."""
+
+    shape: tuple
+    plan: np.ndarray
+    used: tuple          # part ids the plan reads
+    ops: tuple           # (part, src_off, dst_off, run, rows, src_stride, dst_stride)
+
+
+def _compile(shape: tuple, plan: np.ndarray) -> _Plan:
+    """Group each part's runs: equally long and equally spaced runs become one 2-d copy."""
+    plan.flags.writeable = False
+    ops = []
+    pid, so, do, n = (plan[:, i].tolist() for i in range(4))
+    i = 0
+    while i < len(pid):
+        j = i + 1
+        if j < len(pid) and pid[j] == pid[i] and n[j] == n[i]:
+            ss, ds = so[j] - so[i], do[j] - do[i]
+            if ss > 0 and ds >= n[i]:
+                while j < len(pid) and pid[j] == pid[i] and n[j] == n[i] \
+                        and so[j] - so[j - 1] == ss and do[j] - do[j - 1] == ds:
+                    j += 1
+                ops.append((pid[i], so[i], do[i], n[i], j - i, ss, ds))
+                i = j
+                continue
+        ops.append((pid[i], so[i], do[i], n[i], 1, 0, 0))
+        i += 1
+    return _Plan(shape, plan, tuple(sorted(set(pid))), tuple(ops))
+
+
+def _run_plan(p: _Plan, srcs: list, dst: np.ndarray) -> None:
+    """Execute a compiled plan: flat uint8 ``srcs[part]`` -> flat uint8 ``dst`` (bounds checked by numpy)."""
+    for pid, so, do, n, rows, ss, ds in p.ops:
+        src = srcs[pid]
+        if rows == 1:
+            dst[do:do + n] = src[so:so + n]
+        else:
+            np.ndarray((rows, n), np.uint8, dst, do, (ds, 1))[...] = \
+                np.ndarray((rows, n), np.uint8, src, so, (ss, 1))
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan_one(gshape: tuple, parts: tuple, shard: Shard | None, itemsize: int) -> _Plan:
+    return _compile(*plan_shard(gshape, parts, shard, itemsize))
+
+
+@functools.lru_cache(maxsize=2048)
+def _plan_fused(target: Fused, shapes: tuple, parts: tuple, itemsize: int) -> _Plan:
+    return _compile(*plan_fused(target, dict(shapes), dict(parts), itemsize))
+
+
+class _Target(NamedTuple):
+    name: str
+    kind: str
+    dtype: str
+    itemsize: int
+    shape: tuple
+    plan: _Plan
+    keys: tuple          # key of each part id in the plan
+
+
+def _src_bytes(view: Any) -> np.ndarray:
+    """Flat uint8 numpy view of a stored part (no copy)."""
+    if isinstance(view, np.ndarray):
+        return view.reshape(-1).view(np.uint8)
+    if view.numel() == 0:
+        return np.empty(0, np.uint8)
+    return view.reshape(-1).view(_torch().uint8).numpy()
+
+
+class _Stager:
+    """Host staging buckets for destinations that cannot be written in place (a device
+    tensor, or a dtype other than the stored one).  For device destinations the bucket is
+    pinned and copies run asynchronously; a bucket is reused only after a synchronize."""
+
+    def __init__(self, bucket: int, pin: bool, buf=None):
+        self.bucket, self.pin, self.used, self.pending = bucket, pin, 0, set()
+        self.buf = buf if buf is not None and buf.numel() >= bucket else None
+
+    def take(self, nbytes: int):
+        torch = _torch()
+        need = -(-nbytes // 64) * 64                  # keep every slice 64-byte aligned
+        if need > self.bucket:
+            return torch.empty(nbytes, dtype=torch.uint8)   # one-off; copies from it are synchronous
+        if self.used + need > self.bucket:
+            self.flush()
+        if self.buf is None:
+            self.buf = torch.empty(self.bucket, dtype=torch.uint8, pin_memory=self.pin)
+        out = self.buf[self.used:self.used + nbytes]
+        self.used += need
+        return out
+
+    def copy(self, staged, dst) -> None:
+        if dst.device.type == "cuda" and self.pin and staged.is_pinned():
+            dst.copy_(staged, non_blocking=True)   # async H2D (+ cast on the device)
+            self.pending.add(dst.device)
+        else:
+            dst.copy_(staged)
+
+    def flush(self) -> None:
+        for dev in self.pending:
+            _torch().cuda.synchronize(dev)
+        self.pending, self.used = set(), 0
+
+
+class WeightSubscriber:
+    """A rollout worker's reader of the weight set ``name``: wait for versions, fetch slices.
+
+    ``last_fetch_stats`` describes the latest ``fetch``: ``bytes_copied`` (out
+    of the arena), ``bytes_needed`` (the result, in the stored dtype; equal
+    unless something is wrong), ``bytes_version`` (all stored bytes of the
+    version), ``parts``, ``targets`` and ``seconds``.
+    """
+
+    def __init__(self, store, name: str):
+        self.store, self.name = store, name
+        self.board = VersionBoard(store, name)
+        self.last_fetch_stats: dict = {}
+        self._infos: OrderedDict = OrderedDict()   # version -> (marker, merged tensors)
+        self._pinned = None                         # reused pinned staging bucket (device into=)
+        self._lock = threading.Lock()
+
+    def __reduce__(self):
+        return (WeightSubscriber, (self.store, self.name))
+
+    def latest(self) -> int | None:
+        """The newest complete version, or None when nothing is published yet."""
+        return self.board.latest()
+
+    def versions(self) -> list[int]:
+        """Every version readable now (complete and not reclaimed), ascending."""
+        return self.board.complete_versions()
+
+    def wait(self, newer_than: int | None = None, timeout: float | None = None,
+             max_staleness: int | None = None) -> int:
+        """Block until a complete version newer than ``newer_than`` exists; return the newest.
+
+        With ``max_staleness=k`` return the newest complete version at once,
+        even if it equals ``newer_than``, when the caller is at most ``k``
+        versions behind the newest version the trainer has started to publish.
+        Never returns a version older than ``newer_than``.  Raises
+        ``TimeoutError`` after ``timeout`` seconds.  Sleeps on a futex in the
+        arena: wakes well under a millisecond after the publish, no polling.
+        """
+        if newer_than is not None:
+            newer_than = _check_version(newer_than)
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
+                                          or max_staleness < 0):
+            raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            seen = self.board.token()            # before checking: no lost wake-up
+            latest = self.board.latest()
+            if latest is not None:
+                if newer_than is None or latest > newer_than:
+                    return latest
+                if max_staleness is not None and latest == newer_than \
+                        and self.board.head() - max_staleness <= newer_than:
+                    return latest
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
+                                   f"{timeout} s (latest complete: {latest})")
+            # Sleep in slices of at most 1 s: a publisher that died between its marker and
+            # its wake-up cannot strand us (no busy polling either way).
+            self.board.wait_change(seen, 1.0 if left is None else min(left, 1.0))
+
+    def _info(self, version: int) -> dict[str, _Tensor]:
+        marker = self.board.completion(version)
+        if marker is None:
+            raise KeyError(self._gone(version))
+        with self._lock:
+            hit = self._infos.get(version)
+        if hit is not None and hit[0] == marker:
+            return hit[1]
+        manifests = self.board.rank_manifests(version, marker["world"])
+        if any(m is None for m in manifests) or [m["nonce"] for m in manifests] != marker["nonces"]:
+            raise KeyError(self._gone(version))
+        info = merge_manifests(manifests, self.name, version)
+        with self._lock:
+            self._infos[version] = (marker, info)
+            while len(self._infos) > 4:
+                self._infos.popitem(last=False)
+        return info
+
+    def _gone(self, version: int) -> str:
+        latest = self.board.latest()
+        if latest is None or version > latest:
+            return (f"version {version} of {self.name!r} is not complete (latest complete: {latest}); "
+                    "wait() for it")
+        m = self.board.completion(latest)
+        keep = m.get("keep", "?") if m else "?"
+        return f"version {version} of {self.name!r} was reclaimed (keep={keep}); wait for a newer one"
+
+    def _targets(self, info: dict[str, _Tensor], layout, version: int) -> list[_Target]:
+        if layout is None:
+            layout = {}
+        if not isinstance(layout, Mapping):
+            raise TypeError(f"layout must be a mapping of name -> Shard/Fused/None, not {type(layout).__name__}")
+
+        def get(src: str) -> _Tensor:
+            if src not in info:
+                raise KeyError(f"version {version} of {self.name!r} has no tensor {src!r} "
+                               f"(it has {sorted(info)[:20]})")
+            return info[src]
+
+        targets, consumed = [], set()
+        for name, spec in layout.items():
+            if spec is None or isinstance(spec, Shard):
+                t = get(name)
+                plan = _plan_one(t.shape, t.parts, spec, t.itemsize)
+                targets.append(_Target(name, t.kind, t.dtype, t.itemsize, plan.shape, plan, t.keys))
+            elif isinstance(spec, Fused):
+                srcs = [get(s) for s in spec.sources]
+                if len({(s.kind, s.dtype) for s in srcs}) != 1:
+                    raise ValueError(f"Fused target {name!r}: sources {list(spec.sources)} are stored as "
+                                     f"{[s.dtype for s in srcs]}; fused sources must share one dtype")
+                plan = _plan_fused(spec, tuple((s, info[s].shape) for s in spec.sources),
+                                   tuple((s, info[s].parts) for s in spec.sources), srcs[0].itemsize)
+                keys = tuple(k for s in srcs for k in s.keys)
+                targets.append(_Target(name, srcs[0].kind, srcs[0].dtype, srcs[0].itemsize, plan.shape, plan,
+                                       keys))
+                consumed.update(spec.sources)
+            else:
+                raise TypeError(f"layout[{name!r}] must be a Shard, Fused or None, not {type(spec).__name__}")
+        for name, t in info.items():
+            if name not in layout and name not in consumed:
+                plan = _plan_one(t.shape, t.parts, None, t.itemsize)
+                targets.append(_Target(name, t.kind, t.dtype, t.itemsize, plan.shape, plan, t.keys))
+        return targets
+
+    def fetch(self, version: int, layout: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None,
+              dtype: Any = None) -> dict[str, Any]:
+        """This worker's slice of ``version``: ``{name: tensor or ndarray}``.
+
+        ``layout[name]`` is a ``Shard`` (cut like ``numpy.array_split``), a
+        ``Fused`` target composed from several sources, or None (whole);
+        tensors not named are fetched whole, except sources a ``Fused``
+        consumes.  Only the byte ranges overlapping each slice are copied,
+        from one atomic snapshot of the version's parts.  ``into[name]`` (a
+        contiguous tensor on any device, or an ndarray) receives its slice in
+        place.  ``dtype`` casts floating-point results.  Raises ``KeyError``
+        when the version is not complete or was reclaimed.
+        """
+        t0 = time.perf_counter()
+        version = _check_version(version)
+        info = self._info(version)
+        targets = self._targets(info, layout, version)
+        into = dict(into or {})
+        names = {t.name for t in targets}
+        extra = [n for n in into if n not in names]
+        if extra:
+            raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
+                             f"{sorted(names)[:20]})")
+        keys = list(dict.fromkeys(t.keys[p] for t in targets for p in t.plan.used))
+        views = self.store.mget(keys)                  # one atomic, pinned snapshot
+        if any(v is None for v in views):
+            raise KeyError(self._gone(version))
+        bufs = {k: _src_bytes(v) for k, v in zip(keys, views)}
+        needed = sum(math.prod(t.shape) * t.itemsize for t in targets)
+        copied = 0
+        out: dict[str, Any] = {}
+        pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
+        reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
+        stager = _Stager(min(BUCKET_BYTES, -(-needed // 64) * 64 + 64 * len(targets)), pin, reuse)
+        from tqdm.auto import tqdm
+        with tqdm(total=needed, unit="B", unit_scale=True, desc=f"{self.name} v{version}",
+                  disable=not sys.stderr.isatty() or needed < PROGRESS_MIN_BYTES) as bar:
+            for t in targets:
+                out[t.name] = self._gather(t, bufs, into.get(t.name), dtype, stager)
+                n = plan_nbytes(t.plan.plan)
+                copied += n
+                bar.update(n)
+            stager.flush()
+        if pin:
+            self._pinned = stager.buf
+        del views, bufs                                # drop the pins: reclaimable now
+        self.last_fetch_stats = {
+            "version": version, "bytes_copied": copied, "bytes_needed": needed,
+            "bytes_version": sum(math.prod(t.shape) * t.itemsize for t in info.values()),
+            "parts": len(keys), "targets": len(targets), "seconds": time.perf_counter() - t0}
+        return out
+
+    def _gather(self, t: _Target, bufs: dict, dst: Any, dtype: Any, stager: _Stager) -> Any:
+        srcs = [bufs.get(k) for k in t.keys]
+        floating = (getattr(_torch(), t.dtype).is_floating_point if t.kind == "torch"
+                    else np.dtype(t.dtype).kind == "f")
+        want = None
+        if dtype is not None and floating:
+            want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
+        if dst is None:
+            if t.kind == "torch":
+                torch = _torch()
+                res = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
+                _run_plan(t.plan, srcs, codec.as_bytes_view(res))
+                return res if want is None or want == res.dtype else res.to(want)
+            res = np.empty(t.shape, dtype=np.dtype(t.dtype))
+            _run_plan(t.plan, srcs, res.reshape(-1).view(np.uint8))
+            return res if want is None or want == res.dtype else res.astype(want)
+        # ---- into=
+        is_t = codec.is_tensor(dst)
+        if not is_t and not isinstance(dst, np.ndarray):
+            raise TypeError(f"into[{t.name!r}] must be a torch tensor or numpy array, not {type(dst).__name__}")
+        if tuple(dst.shape) != tuple(t.shape):
+            raise ValueError(f"into[{t.name!r}] has shape {tuple(dst.shape)}, but the fetched slice has "
+                             f"shape {tuple(t.shape)}")
+        if not (dst.is_contiguous() if is_t else dst.flags.c_contiguous and dst.flags.writeable):
+            raise ValueError(f"into[{t.name!r}] must be contiguous and writable")
+        if want is not None and (_torch_dtype(want) if is_t else _numpy_dtype(want)) != dst.dtype:
+            raise ValueError(f"fetch(dtype={dtype}) conflicts with into[{t.name!r}].dtype={dst.dtype}; "
+                             "into tensors receive their own dtype (drop dtype= or match it)")
+        same = dst.dtype == (_stored_torch_dtype(t) if is_t else _stored_numpy_dtype(t))
+        if same and (not is_t or dst.device.type == "cpu"):   # straight into the destination
+            _run_plan(t.plan, srcs, codec.as_bytes_view(dst))
+            return dst
+        if not is_t and t.kind == "numpy":               # numpy -> numpy cast: no torch needed
+            tmp = np.empty(t.shape, dtype=np.dtype(t.dtype))
+            _run_plan(t.plan, srcs, tmp.reshape(-1).view(np.uint8))
+            np.copyto(dst, tmp, casting="unsafe")
+            return dst
+        nbytes = math.prod(t.shape) * t.itemsize         # gather in the stored dtype, then cast/move
+        torch, sdt = _torch(), _stored_torch_dtype(t)
+        staged = stager.take(nbytes)
+        _run_plan(t.plan, srcs, staged.numpy())
+        typed = staged.view(sdt).view(t.shape) if nbytes else torch.empty(t.shape, dtype=sdt)
+        if is_t:
+            stager.copy(typed, dst)
+        else:
+            np.copyto(dst, (typed.float() if sdt == torch.bfloat16 else typed).numpy(), casting="unsafe")
+        return dst
+
+    def __repr__(self) -> str:
+        return f"<WeightSubscriber {self.name!r} latest={self.latest()}>"
+
+
+def _stored_torch_dtype(t: _Target):
+    """The torch dtype of a target's stored bytes (None when torch has none)."""
+    torch = _torch()
+    if t.kind == "torch":
+        return getattr(torch, t.dtype)
+    return _torch_dtype(np.dtype(t.dtype))
+
+
+def _stored_numpy_dtype(t: _Target):
+    """The numpy dtype of a target's stored bytes (None for bfloat16)."""
+    if t.kind == "numpy":
+        return np.dtype(t.dtype)
+    try:
+        return _numpy_dtype(getattr(_torch(), t.dtype))
+    except TypeError:
+        return None
