@@ -3,14 +3,14 @@
 The DRAM-only store runs the suite in ``test_store.py``.  Here the same tests
 run twice more:
 
-* ``TestSsdTier``: a store with ``ssd=`` whose plain ``put``/``mset``/``[]=``
-  place values on SSD (``tier=Tier.SSD``), with ``promote_after`` so large
+* ``TestSsdTier``: a store with ``ssd=`` whose placement sends plain
+  ``put``/``mset``/``[]=`` to SSD (``Placement.default_tier``), with ``promote_after`` so large
   that nothing moves back up during a test: every read goes through the SSD
   tier (diskcache index, payload files, checksums).  ``test_ssd_really_holds_values``
   asserts that with ``tier_of``.
 * ``TestHbmTierOnCpu``: a store with ``hbm="4MiB", device="cpu"`` whose
-  plain puts place torch tensors in HBM (``tier=Tier.HBM``); other values
-  go to DRAM (the HBM tier holds tensors only).
+  placement sends plain puts of torch tensors to HBM; other values go to
+  DRAM (the HBM tier holds tensors only).
 
 Where a suite test describes behaviour that differs by design for a tier
 (zero-copy pinning views of DRAM objects), the subclass overrides it with the
@@ -29,7 +29,6 @@ import pytest
 from store_suite import LARGE, StoreSuite, assert_tensor_same, drop, sample_tensor  # noqa: E402
 
 from yrcache import Tier, TieredStore  # noqa: E402
-from yrcache.store import key_bytes  # noqa: E402
 from procs import drop_failed_test_locals  # noqa: E402
 
 try:
@@ -44,46 +43,16 @@ def _is_tensor(v) -> bool:
     return torch is not None and isinstance(v, torch.Tensor)
 
 
-class SsdFirstStore(TieredStore):
-    """Test-only: a store whose puts default to ``tier=Tier.SSD``."""
-
-    def put(self, key, value, tier=None, priority=0, ttl=None, write_mode=None):
-        return super().put(key, value, tier=Tier.SSD if tier is None else tier,
-                           priority=priority, ttl=ttl, write_mode=write_mode)
-
-    def mset(self, items, tier=None, priority=0, ttl=None, write_mode=None):
-        return super().mset(items, tier=Tier.SSD if tier is None else tier,
-                            priority=priority, ttl=ttl, write_mode=write_mode)
-
-
-class HbmFirstStore(TieredStore):
-    """Test-only: a store whose puts default to ``tier=Tier.HBM`` for torch tensors."""
-
-    def put(self, key, value, tier=None, priority=0, ttl=None, write_mode=None):
-        if tier is None and _is_tensor(value):
-            tier = Tier.HBM
-        return super().put(key, value, tier=tier, priority=priority, ttl=ttl, write_mode=write_mode)
-
-    def mset(self, items, tier=None, priority=0, ttl=None, write_mode=None):
-        pairs = list(items.items() if isinstance(items, dict) else items)
-        if tier is None:
-            tensors = [(k, v) for k, v in pairs if _is_tensor(v)]
-            others = [(k, v) for k, v in pairs if not _is_tensor(v)]
-            for k, _ in pairs:
-                key_bytes(k)    # validate every key first, as mset does
-            if tensors:
-                super().mset(tensors, tier=Tier.HBM, priority=priority, ttl=ttl, write_mode=write_mode)
-            return super().mset(others, priority=priority, ttl=ttl, write_mode=write_mode)
-        return super().mset(pairs, tier=tier, priority=priority, ttl=ttl, write_mode=write_mode)
-
-
-def _factory(cls, store_name, extra):
+def _factory(default_tier, store_name, extra):
+    """Stores whose puts without ``tier=`` aim at ``default_tier`` (placement's
+    default, so every put, mset and ``[]=`` of the suite goes there)."""
     made: list[TieredStore] = []
 
     def make(**kw):
         name = store_name if not made else f"{store_name}-{len(made)}"
         kw = {**extra(len(made)), **kw}
-        s = cls(name=name, **kw)
+        s = TieredStore(name=name, **kw)
+        s._placement.default_tier = default_tier
         made.append(s)
         return s
 
@@ -115,7 +84,7 @@ class TestSsdTier(StoreSuite):
 
     @pytest.fixture
     def store_factory(self, store_name, tmp_path):
-        make, finish = _factory(SsdFirstStore, store_name, lambda i: {
+        make, finish = _factory(Tier.SSD, store_name, lambda i: {
             "dram": "16MiB", "ssd": tmp_path / f"ssd{i}", "ssd_size": "256MiB",
             "promote_after": 1 << 30})
         yield make
@@ -179,7 +148,7 @@ class TestHbmTierOnCpu(StoreSuite):
 
     @pytest.fixture
     def store_factory(self, store_name):
-        make, finish = _factory(HbmFirstStore, store_name, lambda i: {
+        make, finish = _factory(Tier.HBM, store_name, lambda i: {
             "dram": "16MiB", "hbm": "4MiB", "device": "cpu"})
         yield make
         finish()

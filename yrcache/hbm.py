@@ -63,6 +63,7 @@ class HbmOwner:
         placement.mover.device = device
         if device.device.type == "cuda":
             pin_cuda()
+        self.a.word(REQUEST_WORD), self.a.word(DONE_WORD)    # created now, not by the thread later
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_loop, name="yrcache-hbm", daemon=True)
         self._thread.start()

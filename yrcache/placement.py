@@ -49,6 +49,21 @@ class Placement:
         self.policy, self.mover, self.cache, self.name = policy, mover, cache, name
         self.disk = mover.disk
         self.hbm = None            # hbm.HbmOwner when this process holds the HBM tier
+        #: Where a put without ``tier=`` goes: None for DRAM (and a device
+        #: tensor to this process's HBM tier), or a Tier for every value it
+        #: can hold (the tier conformance suites run the store suite this way).
+        self.default_tier: int | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Does a put without options go straight to DRAM (the fast path)?"""
+        return self.hbm is None and self.default_tier is None
+
+    def default_for(self, value: Any) -> int | None:
+        """The tier a put of ``value`` without ``tier=`` aims at."""
+        if self.default_tier == TIER_HBM and not codec.is_tensor(value):
+            return None                # the HBM tier holds tensors only
+        return self.default_tier
 
     @property
     def a(self) -> dram.Arena:

@@ -236,13 +236,14 @@ class TieredStore(MutableMapping):
         """
         a = self._a  # noqa: F841 - holds the mapping while the put runs (a close() may drop ours)
         kb = key_bytes(key)
-        if tier is None and ttl is None and write_mode is None and self._hbm is None \
+        p = self._placement
+        if tier is None and ttl is None and write_mode is None and p.plain \
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
             # The common case, kept short: a host value into DRAM.
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            return self._placement.put(kb, meta, payload, nbytes, 0, 0.0)
+            return p.put(kb, meta, payload, nbytes, 0, 0.0)
         priority = _priority(priority)
-        tier = self._check_tier(tier)
+        tier = self._check_tier(tier if tier is not None else p.default_for(value))
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         if self._hbm is not None and self._hbm.takes(value, tier):
@@ -281,13 +282,18 @@ class TieredStore(MutableMapping):
         (and any that do not fit at once) one by one, as ``put`` does.
         """
         self._check_open()
-        tier = self._check_tier(tier)
+        self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         priority = _priority(priority)
         pairs = list(items.items() if isinstance(items, dict) else items)
         for k, _ in pairs:
             key_bytes(k)            # validate every key before storing anything
+        p = self._placement
+        if tier is None and p.default_tier is not None:   # each value to its own default
+            for k, v in pairs:
+                self.put(k, v, priority=priority, ttl=ttl)
+            return
         rest = []
         for k, v in pairs:
             if self._hbm is not None and self._hbm.takes(v, tier):
