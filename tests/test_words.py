@@ -1,0 +1,73 @@
+"""Named words (``TieredStore.word``) and ``TieredStore.info``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from yrcache import Tier, TieredStore
+from procs import finish, start
+
+
+def _wait_for_value(name, word, seen, want):
+    s = TieredStore.attach(name)
+    w = s.word(word)
+    deadline = time.monotonic() + 30
+    while w.value != want:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"value {w.value}, wanted {want}")
+        w.wait(seen, 1.0)
+        seen = w.seq
+    s.close()
+    return w.value
+
+
+def test_a_word_wakes_another_process(make_store, store_name, mp_context):
+    s = make_store()
+    w = s.word("go")
+    seen = w.seq
+    p, q = start(mp_context, _wait_for_value, store_name, "go", seen, 42)
+    time.sleep(0.2)
+    assert w.cas(0, 42) and not w.cas(0, 7)      # compare-and-set: only the first succeeds
+    w.wake()
+    assert finish(p, q) == 42
+    assert w.seq > seen
+
+
+def test_words_are_per_name_and_persist_per_store(make_store, store_name):
+    s = make_store()
+    a, b = s.word("a"), s.word("b")
+    a.cas(0, 1)
+    b.cas(0, 2)
+    seen_b = b.seq
+    a.wake()
+    assert b.seq == seen_b                       # waking one name wakes nobody else
+    other = TieredStore.attach(store_name)
+    assert other.word("a").value == 1 and other.word("b").value == 2
+    other.close()
+    assert not b.wait(seen_b, 0.05)               # timed out: nobody woke b
+    assert len(s) == 0 and list(s.keys()) == []   # words are not keys
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 201, "a\x00b", 5, None])
+def test_word_names_are_checked(make_store, bad):
+    s = make_store()
+    with pytest.raises(ValueError, match="word names"):
+        s.word(bad)
+
+
+def test_info_describes_without_reading(make_store, tmp_path):
+    s = make_store(ssd=tmp_path / "ssd")
+    s.put("a", np.zeros((2, 3), np.float32), priority=5, ttl=60)
+    s.put("b", b"xyz", tier=Tier.SSD)
+    hits = s.stats()["hits"]
+    a, b = s.info("a"), s.info("b")
+    assert (a["tier"], a["nbytes"], a["kind"], a["dtype"], a["shape"], a["priority"]) == \
+        (Tier.DRAM, 24, "ndarray", "<f4", (2, 3), 5)
+    assert a["expire_at"] is not None and a["expire_at"] > time.time()
+    assert (b["tier"], b["nbytes"], b["kind"], b["expire_at"]) == (Tier.SSD, 3, "bytes", None)
+    assert s.info("missing") is None
+    assert s.stats()["hits"] == hits                   # no read counted
+    assert s.stats()["pinned_bytes"] == 0
