@@ -92,35 +92,26 @@ class Placement:
         """Place one encoded object.  ``payload``: a buffer, or a callable that
         fills a flat uint8 array (one copy straight into the arena block)."""
         a = self.a
-        if tier == TIER_SSD or (self.disk is not None and nbytes + _overhead(kb, meta) > a.capacity):
+        small = nbytes <= SMALL_VALUE and not callable(payload)
+        if small and self.plain and not self.moves:
+            # The common case, kept short: a small value into a DRAM-only store.
+            if a.put_small(kb, meta, payload, nbytes, priority, expire_at) is not None:
+                return
+        elif tier == TIER_SSD or (self.disk is not None and nbytes + _overhead(kb, meta) > a.capacity):
             return self.put_ssd(kb, meta, payload, nbytes, priority, expire_at)
-        if self.moves or self.hbm is not None:
+        elif self.moves or self.hbm is not None:
             self.make_room(nbytes + _overhead(kb, meta))
-        if nbytes <= SMALL_VALUE and not callable(payload):
-            def attempt() -> Any:
-                return a.put_small(kb, meta, payload, nbytes, priority, expire_at)
-        else:
-            def attempt() -> Any:
-                res = a.reserve(kb, meta, nbytes, priority=priority, expire_at=expire_at)
-                if res is None:
-                    return None
-                with res:
-                    if callable(payload):
-                        payload(res.buffer)
-                    else:   # outside the lock; memcpy releases the GIL
-                        res.fill_from(payload)
-                    return res.commit()
-        retired = attempt()
+        retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
         if retired is None:
             # No room: reclaim what dead processes and expired keys hold, then
             # demote (or, in cache mode, drop) cold objects one at a time,
             # coldest first, until the object fits.
             a.sweep()
             self.mover.reclaim_expired()
-            retired = attempt()
+            retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
             if retired is None:
                 for _ in self.demote_each():
-                    retired = attempt()
+                    retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
                     if retired is not None:
                         break
         if retired is None:
@@ -129,6 +120,22 @@ class Placement:
             raise self.full_error(nbytes)
         if retired.existed and retired.tier != TIER_DRAM:
             self.drain()     # free the replaced object's bytes in its tier
+
+    @staticmethod
+    def _put_dram(a: dram.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int, priority: int,
+                  expire_at: float, small: bool) -> Any:
+        """One try at storing in DRAM: what the object replaced, or None (no room)."""
+        if small:
+            return a.put_small(kb, meta, payload, nbytes, priority, expire_at)
+        res = a.reserve(kb, meta, nbytes, priority=priority, expire_at=expire_at)
+        if res is None:
+            return None
+        with res:
+            if callable(payload):
+                payload(res.buffer)
+            else:   # outside the lock; memcpy releases the GIL
+                res.fill_from(payload)
+            return res.commit()
 
     def put_ssd(self, kb: bytes, meta: bytes, payload: Any, nbytes: int, priority: int,
                 expire_at: float) -> None:

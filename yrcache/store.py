@@ -338,10 +338,14 @@ class TieredStore(MutableMapping):
         kb = key_bytes(key)
         deadline = None
         while True:
-            info = a.get(kb)
-            if info is None:
+            got = a.read(kb, small=self._hbm is None)   # (an HBM holder promotes from pinned reads)
+            if got is None:
                 return default
-            value = self._value(a, info, key)
+            info, small = got
+            if small is not None:      # a small DRAM value, copied out (no pin)
+                value = self._small_value(small, info, key)
+            else:
+                value = self._value(a, info, key)
             if value is not RETRY:
                 return codec.private_copy(value) if copy else value
             if deadline is None:
@@ -349,6 +353,17 @@ class TieredStore(MutableMapping):
             elif time.monotonic() > deadline:
                 raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept "
                                    "moving between tiers, or the process holding it in HBM does not answer")
+
+    def _small_value(self, raw: bytes, info, key: str) -> Any:
+        """The value of a small object copied out by a read: read-only, private."""
+        mlen = info.meta_len
+        meta = raw[:mlen]
+        kind = meta[:1]
+        if kind == b"P" and not self._pickle:
+            raise self._no_pickle(key)
+        body = memoryview(raw)[mlen:]
+        # A tensor needs writable memory (torch has no read-only tensors; see README).
+        return codec.decoder(meta)(bytearray(body) if kind == b"T" else body, info.nbytes)
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key, _MISSING)

@@ -177,6 +177,12 @@ int  yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *
 
 /* lookups (flags: YR_PIN, YR_QUIET) */
 int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags, yr_objinfo *out);
+/* a read: like yr_get with YR_PIN, except that a DRAM object whose codec
+ * header and payload fit in `cap` bytes is copied into buf (header first)
+ * instead of pinned -- for a small value, cheaper than a pin and its release.
+ * Returns 1 when it copied, 0 when it pinned. */
+int  yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
+             uint32_t cap);
 /* a batch under one lock hold; keys packed back to back, lengths in klens */
 int  yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
              int flags, yr_objinfo *out, int32_t *found);

@@ -209,6 +209,34 @@ int yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags,
     return r;
 }
 
+int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
+            uint32_t cap) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int r = get_locked(h, slot, key, klen, YR_QUIET, now, out);   /* counted below */
+    if (r == YR_OK) {
+        blk_t *b = AT(h, out->block_off);
+        b->access_count++;
+        b->last_access = now;
+        h->counters[YR_C_HITS]++;
+        out->access_count = b->access_count;
+        if (TIER_OF(b) == YR_TIER_DRAM && b->mlen + b->nbytes <= cap) {
+            memcpy(buf, KEY(b) + b->klen, b->mlen);
+            memcpy(buf + b->mlen, (char *)b + b->payload_rel, b->nbytes);
+            r = 1;
+        } else {
+            int p = pin_locked(h, slot, out->block_off);
+            if (p < 0) r = p;
+            else out->pin = (uint32_t)p;
+        }
+    } else if (r == YR_ENOTFOUND && !(klen && key[0] == 0)) {
+        h->counters[YR_C_MISSES]++;
+    }
+    unlock(h);
+    return r;
+}
+
 int yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
             int flags, yr_objinfo *out, int32_t *found) {
     hdr_t *h = H(base);
