@@ -175,7 +175,7 @@ class Word:
 _tls = threading.local()
 #: A DRAM object whose header and payload fit in this many bytes is copied out
 #: by a read instead of pinned: copying 4 KiB costs less than a pin and its release.
-SMALL_READ = 4096
+SMALL_READ = 4096 + 256   # a 4 KiB value and its header
 
 
 def _scratch():
