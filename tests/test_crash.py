@@ -224,7 +224,7 @@ def _c_put_small_loop(name, ready):
         k = keys[i % 16]
         n = 1024 + (i * 4099) % 64000
         buf[:n] = bytes([i % 251 + 1]) * n
-        a.put_small(k, b"B", memoryview(buf)[:n], n, 0, 0.0)   # None (no room) is fine too
+        a.put(k, b"B", memoryview(buf)[:n], n, 0, 0.0)   # None (no room) is fine too
         if i % 3 == 0:
             a.delete(keys[(i * 7) % 16])
         i += 1
@@ -288,9 +288,11 @@ def test_kill_while_holding_arena_lock(mp_context, make_store, store_name):
     s = make_store()
     rng = random.Random(3)
     vals = {f"k{i}": make_value(rng, 4, 16) for i in range(20)}
+    vals["k0"] = make_value(rng, 10, 12)            # large enough to be read through a pin
     for k, v in vals.items():
         s.put(k, v)
     keep = s["k0"]                                  # a pin of ours must survive recovery
+    assert s.stats()["pinned_bytes"] >= keep.nbytes
     assert s.stats()["recoveries"] == 0
     ready = mp_context.Event()
     p = mp_context.Process(target=_lock_and_hang, args=(store_name, ready, 0), daemon=True)

@@ -15,7 +15,7 @@ import pytest
 
 from yrcache import CorruptObjectError, StoreFullError, Tier, TieredStore
 from yrcache.tiers import dram
-from procs import finish, kill_and_join, seg_exists, start, wait_or_die
+from procs import finish, kill_all, kill_and_join, seg_exists, start, wait_or_die
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -182,41 +182,52 @@ def _check_inherited(views, expected, parent_done):
 
 
 def test_every_inherited_view_stays_pinned_when_the_pool_runs_low(make_store):
-    """600 views held at fork in a 1 MiB store (1024 pin records laid out):
-    the child needs 600 more.  None may change under the child when the
-    parent drops its views and overwrites every key."""
+    """600 views of 600 objects held at fork in a 4 MiB store (1024 pin records
+    laid out): the child needs 600 more.  None may change under the child when
+    the parent drops its views, deletes every key and fills the store with
+    other data.  (Values of 4.5 KiB: reads of smaller ones are private copies,
+    which pin nothing.)"""
     ctx = multiprocessing.get_context("fork")
-    s = make_store(dram="1MiB")
+    s = make_store(dram="4MiB")
     keys = [f"k{i}" for i in range(600)]
     for i, k in enumerate(keys):
-        s[k] = i.to_bytes(4, "little") * 64
+        s[k] = i.to_bytes(4, "little") * 1152
     views = [s[k] for k in keys]
+    assert s.stats()["pinned_bytes"] >= 600 * 4608
     expected = [bytes(v) for v in views]
     parent_done = ctx.Event()
     p, q = start(ctx, _check_inherited, views, expected, parent_done)
     try:
         del views
         gc.collect()
-        for i, k in enumerate(keys):
-            s[k] = (i + 1000).to_bytes(4, "little") * 64
+        for k in keys:
+            del s[k]
+        n = 0
+        while True:                      # a block freed too early would be reused here
+            try:
+                s[f"junk{n}"] = b"\xff" * 4608
+            except MemoryError:
+                break
+            n += 1
         parent_done.set()
         assert finish(p, q) == 0, "inherited views changed under the child"
     finally:
-        p.join(10)
+        kill_all([p])
     s.check()
 
 
 def test_one_process_holding_many_views_does_not_starve_others(make_store, store_name):
     s = make_store(dram="4MiB")
-    s["k"] = np.arange(100)
+    s["k"] = np.arange(1024)                     # 8 KiB: read through a pin
     hoard = [s["k"] for _ in range(5000)]        # far past the 1024 records laid out
+    assert s.stats()["pinned_bytes"] >= 8192
     other = TieredStore.attach(store_name)
     try:
         assert other.tier_of("k") == Tier.DRAM
-        out = np.empty(100, dtype=np.int64)
+        out = np.empty(1024, dtype=np.int64)
         other.get_into("k", out)
-        np.testing.assert_array_equal(out, np.arange(100))
-        np.testing.assert_array_equal(other["k"], np.arange(100))
+        np.testing.assert_array_equal(out, np.arange(1024))
+        np.testing.assert_array_equal(other["k"], np.arange(1024))
     finally:
         other.close()
     del hoard

@@ -92,26 +92,26 @@ class Placement:
         """Place one encoded object.  ``payload``: a buffer, or a callable that
         fills a flat uint8 array (one copy straight into the arena block)."""
         a = self.a
-        small = nbytes <= SMALL_VALUE and not callable(payload)
-        if small and self.plain and not self.moves:
-            # The common case, kept short: a small value into a DRAM-only store.
-            if a.put_small(kb, meta, payload, nbytes, priority, expire_at) is not None:
+        is_buffer = not callable(payload)     # a buffer: one C call does it all
+        if is_buffer and self.plain and not self.moves:
+            # The common case, kept short: a value into a DRAM-only store.
+            if a.put(kb, meta, payload, nbytes, priority, expire_at) is not None:
                 return
         elif tier == TIER_SSD or (self.disk is not None and nbytes + _overhead(kb, meta) > a.capacity):
             return self.put_ssd(kb, meta, payload, nbytes, priority, expire_at)
         elif self.moves or self.hbm is not None:
             self.make_room(nbytes + _overhead(kb, meta))
-        retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
+        retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, is_buffer)
         if retired is None:
             # No room: reclaim what dead processes and expired keys hold, then
             # demote (or, in cache mode, drop) cold objects one at a time,
             # coldest first, until the object fits.
             a.sweep()
             self.mover.reclaim_expired()
-            retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
+            retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, is_buffer)
             if retired is None:
                 for _ in self.demote_each():
-                    retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, small)
+                    retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, is_buffer)
                     if retired is not None:
                         break
         if retired is None:
@@ -123,10 +123,10 @@ class Placement:
 
     @staticmethod
     def _put_dram(a: dram.Arena, kb: bytes, meta: bytes, payload: Any, nbytes: int, priority: int,
-                  expire_at: float, small: bool) -> Any:
+                  expire_at: float, buffer: bool) -> Any:
         """One try at storing in DRAM: what the object replaced, or None (no room)."""
-        if small:
-            return a.put_small(kb, meta, payload, nbytes, priority, expire_at)
+        if buffer:
+            return a.put(kb, meta, payload, nbytes, priority, expire_at)
         res = a.reserve(kb, meta, nbytes, priority=priority, expire_at=expire_at)
         if res is None:
             return None
@@ -300,6 +300,24 @@ class Placement:
         return codec.decoder(meta)(buf, len(buf))
 
     # ---------------------------------------------------------------- misc
+
+    def tier_stats(self, st, hbm_capacity: int) -> dict:
+        """Capacity, use and objects per tier (``st``: the arena's stats).  O(objects
+        in lower tiers): their stubs are counted by a scan of the index, filtered in C."""
+        lower = [(r.tier, r.nbytes) for r, _ in self.a.scan(1 << TIER_SSD | 1 << TIER_HBM)] \
+            if self.disk is not None or hbm_capacity else []
+        in_hbm = [n for t, n in lower if t == TIER_HBM]
+        tiers: dict = {}
+        if hbm_capacity:   # the HBM tier lives in the creating process
+            tiers["hbm"] = {"capacity": hbm_capacity, "used": sum(in_hbm), "objects": len(in_hbm),
+                            "device": str(self.hbm.device.device) if self.hbm is not None else None}
+        tiers["dram"] = {"capacity": st.capacity, "used": st.used, "objects": st.objects - len(lower),
+                         "free": st.free_bytes, "largest_free": st.largest_free}
+        if self.disk is not None:
+            d = self.disk
+            tiers["ssd"] = {"capacity": d.capacity, "used": d.used,
+                            "objects": sum(1 for t, _ in lower if t == TIER_SSD), "path": d.path}
+        return tiers
 
     def check_tiers(self) -> None:
         """Cross-tier invariants: every SSD copy and every device tensor of this

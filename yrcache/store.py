@@ -27,7 +27,7 @@ from .placement import RETRY, SMALL_VALUE, Placement
 from .policy import Policy
 from .sizes import format_size
 from .validate import expire_at as _expire_at, key_bytes, priority as _priority
-from .tiers.dram import SHM_DIR, TIER_DRAM, TIER_HBM, TIER_SSD, Arena, Word, check_name, unlink_if
+from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, Word, check_name, unlink_if
 
 __all__ = ["TieredStore", "Tier", "WriteMode", "key_bytes"]
 
@@ -514,18 +514,7 @@ class TieredStore(MutableMapping):
         a.expire(time.time())
         self._placement.flush()
         st = a.stats()
-        lower = [(r.tier, r.nbytes) for r, _ in a.scan(1 << TIER_SSD | 1 << TIER_HBM)] if self._multi_tier else []
-        in_hbm = [n for t, n in lower if t == TIER_HBM]
-        tiers: dict = {}
-        if self._config.get("hbm"):   # the HBM tier lives in the creating process
-            tiers["hbm"] = {"capacity": self._config["hbm"], "used": sum(in_hbm), "objects": len(in_hbm),
-                            "device": str(self._hbm.device.device) if self._hbm is not None else None}
-        tiers["dram"] = {"capacity": st.capacity, "used": st.used, "objects": st.objects - len(lower),
-                         "free": st.free_bytes, "largest_free": st.largest_free}
-        if self._disk is not None:
-            d = self._disk
-            tiers["ssd"] = {"capacity": d.capacity, "used": d.used,
-                            "objects": sum(1 for t, _ in lower if t == TIER_SSD), "path": d.path}
+        tiers = self._placement.tier_stats(st, self._config.get("hbm", 0))
         return {
             "name": self.name,
             "tiers": tiers,

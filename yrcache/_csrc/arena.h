@@ -164,10 +164,11 @@ int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen, co
                    uint32_t mlen, const yr_desc *d, uint64_t *payload_off);
 int  yr_commit(void *base, uint32_t slot, uint64_t block_off, uint64_t expected_seq, yr_retired *out);
 int  yr_abort(void *base, uint32_t slot, uint64_t block_off);
-/* small DRAM values: reserve + copy + commit under one lock hold */
-int  yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
-                  uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority,
-                  double expire_at, yr_retired *out);
+/* a DRAM value in one call: reserve, copy (outside the lock, but for small
+ * values, which are copied in the same lock hold), commit */
+int  yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
+            uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
+            yr_retired *out);
 /* a batch of them (keys and metas packed back to back); returns how many were
  * stored (stops at the first that does not fit) */
 int  yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,

@@ -122,12 +122,28 @@ static int put_small_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t k
     return commit_locked(h, slot, (uint64_t)off, UINT64_MAX, out);
 }
 
-int yr_put_small(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
-                 uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority,
-                 double expire_at, yr_retired *out) {
+#define SMALL_PUT (64u << 10)   /* copied under the lock: cheaper than taking it twice */
+
+int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
+           uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
+           yr_retired *out) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
-    int r = put_small_locked(h, slot, key, klen, meta, mlen, data, nbytes, priority, expire_at, out);
+    if (nbytes <= SMALL_PUT) {
+        int r = put_small_locked(h, slot, key, klen, meta, mlen, data, nbytes, priority, expire_at, out);
+        unlock(h);
+        return r;
+    }
+    yr_desc d = {.alloc_bytes = nbytes, .nbytes = nbytes, .priority = priority,
+                 .expire_at = expire_at, .tier = YR_TIER_DRAM};
+    int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, &d);
+    unlock(h);
+    if (off <= 0) return (int)off;
+    /* The copy runs outside the lock: other processes keep working.  A death
+     * here leaves a RESERVED block, never visible, that the sweep frees. */
+    yr_memcpy((char *)AT(h, off) + AT(h, off)->payload_rel, data, nbytes);
+    if (lock(h)) return YR_ELOCK;
+    int r = commit_locked(h, slot, (uint64_t)off, UINT64_MAX, out);
     unlock(h);
     return r;
 }

@@ -75,9 +75,18 @@ class VersionBoard:
         return sorted(out)
 
     # ------------------------------------------------------------- writing
-    def begin(self, version: int) -> None:
-        """Announce that a rank started publishing ``version`` (for ``head``)."""
-        self.store.put(self._started_key(version), b"")
+    def begin(self, version: int, rank: int, world: int) -> None:
+        """Announce that ``rank`` of ``world`` started publishing ``version`` (for
+        ``head``, and so that a rank of another world notices)."""
+        self.store.put(self._started_key(version), json.dumps([rank, world]).encode())
+
+    def started_by(self, version: int) -> tuple[int, int] | None:
+        """(rank, world) of the last rank that began publishing ``version``, or None."""
+        raw = self.store.get(self._started_key(version))
+        if raw is None or not bytes(raw):
+            return None
+        rank, world = json.loads(bytes(raw))
+        return int(rank), int(world)
 
     def record_rank(self, version: int, rank: int, manifest: dict) -> None:
         """Record ``rank``'s manifest of ``version`` (after its parts are stored)."""
@@ -105,16 +114,6 @@ class VersionBoard:
         """The manifests of ranks ``0..world-1`` of ``version`` (None where missing), one snapshot."""
         raw = self.store.mget([self._manifest_key(version, r) for r in range(world)])
         return [None if b is None else json.loads(bytes(b)) for b in raw]
-
-    def manifests(self, version: int) -> dict[int, dict]:
-        """Every rank manifest of ``version`` stored now, by rank (whatever world they name)."""
-        pre = f"{self.version_prefix(version)}m/"
-        keys = sorted(self.store.keys(prefix=pre))
-        out = {}
-        for k, raw in zip(keys, self.store.mget(keys)):
-            if raw is not None:          # (retired meanwhile)
-                out[int(k[len(pre):])] = json.loads(bytes(raw))
-        return out
 
     def completion(self, version: int) -> dict | None:
         """The completion marker of ``version``, or None when it is not (or no longer) visible."""

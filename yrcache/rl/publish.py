@@ -176,7 +176,7 @@ class WeightPublisher:
         if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
             self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         self._check_world(version)              # before writing anything
-        self.board.begin(version)
+        self.board.begin(version, self.rank, self.world)
         nonce = uuid.uuid4().hex[:12]
         tensors, written, nbytes = {}, [], 0
         try:
@@ -223,11 +223,19 @@ class WeightPublisher:
         Ranks that disagree on ``world`` would each wait for a different set of
         manifests and the version would never complete, silently.
         """
-        for rank, m in sorted(self.board.manifests(version).items()):
-            if rank != self.rank and m.get("world") != self.world:
+        # O(1), no scan: the last rank that began the version, and the manifests
+        # of our own world's ranks.  Of two ranks that disagree, each sees the
+        # other's begin record or manifest by the time its manifest is written.
+        seen = [(rank, m.get("world")) for rank, m in
+                enumerate(self.board.rank_manifests(version, self.world)) if m is not None]
+        started = self.board.started_by(version)
+        if started is not None:
+            seen.append(started)
+        for rank, world in seen:
+            if rank != self.rank and world != self.world:
                 raise ValueError(
                     f"version {version} of {self.name!r}: rank {rank} published it with world="
-                    f"{m.get('world')}, but this rank {self.rank} has world={self.world}; every rank of a "
+                    f"{world}, but this rank {self.rank} has world={self.world}; every rank of a "
                     "weight set must pass the same world: fix the misconfigured rank, or publish a newer "
                     "version if that manifest is left over from an earlier run")
 

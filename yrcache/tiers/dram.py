@@ -1,25 +1,11 @@
 """DRAM tier: one shared-memory arena per store, and the one interface to its C core.
 
-The segment ``/dev/shm/yrcache.<name>`` holds everything: the key index of
-every tier, the allocator, the pin table, the process table, named words and
-a robust mutex (C, ``_csrc/``).  Any process maps it by name and works on it
-directly; no daemon, no socket.  This is the only module that calls the C
-core: the rest of yrcache speaks to an ``Arena``.
-
-Trust: a segment is mapped only if it is owned by this process's user and
-nobody else may read or write it (created 0600; anything else raises
-``UntrustedStoreError`` before a byte of it is read).
-
-Liveness: each mapping takes a process slot and holds a lock on that slot's
-byte of the segment through an open file description of its own; a slot is
-dead exactly when nobody holds its lock (the kernel drops it with the
-process), whatever PID namespace either process runs in.
-
-Life cycle of a mapping: it registers a process slot, hands out pinned
-zero-copy views, and is unmapped only when nothing in the process refers to
-it any more: the store handle, every view, and every operation still
-running in another thread or paused in an iterator.  After a ``fork`` the
-child takes its own slot and re-pins the views it inherited (``_fork.py``).
+The segment ``/dev/shm/yrcache.<name>`` holds the key index of every tier, the
+allocator, the pins, the process table, named words and a robust mutex (C,
+``_csrc/``); any process maps it by name and works on it directly.  This is
+the only module that calls the C core: the rest of yrcache speaks to an
+``Arena``.  Trust, liveness (a lock byte per process slot) and the life
+cycle of a mapping: docs/architecture.md, "The arena" and "Security".
 """
 
 from __future__ import annotations
@@ -45,18 +31,11 @@ PIN, QUIET = lib.YR_PIN, lib.YR_QUIET
 C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.YR_C_EVICTIONS
 ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
 
-ERRORS = {
-    lib.YR_ENOTFOUND: "not found",
-    lib.YR_ENOSPC: "no space",
-    lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
-    lib.YR_ENOPINS: "too many live views",
-    lib.YR_ENOPROCS: "too many attached processes",
-    lib.YR_ELOCK: "the arena lock is unrecoverable",
-    lib.YR_ESTATE: "unexpected object state",
-    lib.YR_ETOOBIG: "object larger than the arena",
-    lib.YR_EBUFFER: "buffer too small",
-    lib.YR_ECHANGED: "the object changed",
-}
+ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "too many live views",
+          lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
+          lib.YR_ENOPROCS: "too many attached processes", lib.YR_ELOCK: "the arena lock is unrecoverable",
+          lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
+          lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
 
 
 def check(rc: int, what: str) -> int:
@@ -387,12 +366,13 @@ class Arena:
         check(off, "reserve")
         return Reservation(self, off, poff[0], alloc)
 
-    def put_small(self, kb: bytes, meta: bytes, data: Any, nbytes: int, priority: int,
-                  expire_at: float) -> Any:
-        """Store a small DRAM value in one lock hold; what it replaced, or None (no room)."""
+    def put(self, kb: bytes, meta: bytes, data: Any, nbytes: int, priority: int, expire_at: float) -> Any:
+        """Store a DRAM value from a buffer in one call (the copy of a large one
+        runs outside the arena lock, without the GIL); what it replaced, or None
+        when no block fits."""
         out = _scratch()[1]
-        rc = lib.yr_put_small(self.base, self.slot, kb, len(kb), meta, len(meta),
-                              ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, out)
+        rc = lib.yr_put(self.base, self.slot, kb, len(kb), meta, len(meta),
+                        ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, out)
         if rc in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
             return None
         check(rc, "put")
