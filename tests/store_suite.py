@@ -21,7 +21,7 @@ the store under test is expected to do:
 * ``local_views``    -- views pin memory of this process (``pinned_bytes``
   moves while a view is alive).
 
-Only the public API of DESIGN.md section 1 is used here, so the same tests
+Only the public API (README, docs/architecture.md) is used here, so the same tests
 run against other tiers and against a cluster.
 """
 

@@ -2,7 +2,7 @@
 
 Keys, values, sizes, ttl, tier/write_mode values, store names, closed
 handles, missing and foreign-owned stores, full stores and tiers that do not
-exist yet (DESIGN.md section 1).
+exist yet (README, "Semantics worth knowing"; docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from procs import finish, kill_and_join, seg_exists, start, wait_or_die  # noqa:
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
 
-# White-box layout facts (x86_64, glibc, yrcache/_csrc/arena.c).  The mutex is
+# White-box layout facts (x86_64, glibc, yrcache/_csrc/internal.h).  The mutex is
 # found at run time by its kind word; the tests check the child really holds it.
 HDR_BUCKETS_OFF = 32                # offsetof(hdr_t, buckets_off) = end of the header
 MUTEX_KIND_WORD = 4                 # int index of __kind in glibc's pthread_mutex_t

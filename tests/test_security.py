@@ -128,7 +128,7 @@ def test_pickle_records_on_ssd_need_pickle_too(make_store, store_name, tmp_path)
         reader.close()
 
 
-# Offsets of hdr_t fields (yrcache/_csrc/arena.c): magic, layout, size,
+# Offsets of hdr_t fields (yrcache/_csrc/internal.h): magic, layout, size,
 # nbuckets, buckets_off, procs_off, pins_off, heap_off, heap_size.
 HEADER_FIELDS = {"size": 16, "nbuckets": 24, "buckets_off": 32, "procs_off": 40, "pins_off": 48,
                  "heap_off": 56, "heap_size": 64}

@@ -1,4 +1,4 @@
-"""Tiers and placement (DESIGN.md section 1, "Tiers and placement").
+"""Tiers and placement (README "Tiers"; docs/architecture.md, "Tiers").
 
 Spills (DRAM -> SSD) and promotions (SSD -> DRAM, DRAM -> HBM) with their
 counters, watermarks, priorities, tier hints, capacity split by ratios, the
