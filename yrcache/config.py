@@ -18,9 +18,9 @@ from typing import Any
 from .errors import StoreFullError
 from .policy import Policy
 from .sizes import format_size, parse_size
+from .tiers.dram import MIN_SIZE as MIN_DRAM
 
 DEFAULT_DRAM = "1GiB"
-MIN_DRAM = 1 << 20
 
 
 class Tier(enum.IntEnum):

@@ -30,6 +30,7 @@ FLAG_WANTED = lib.YR_FLAG_WANTED
 PIN, QUIET = lib.YR_PIN, lib.YR_QUIET
 C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.YR_C_EVICTIONS
 ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
+MIN_SIZE = lib.yr_arena_min_size()
 
 ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "too many live views",
           lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
