@@ -17,7 +17,7 @@ ffibuilder.set_source(
     "yrcache._arena",
     '#include "arena.h"',
     sources=[os.path.relpath(os.path.join(_csrc, f"{name}.c"))
-             for name in ("arena", "heap", "index", "procs", "objects", "iter", "recovery", "os")],
+             for name in ("arena", "heap", "index", "sorted", "procs", "objects", "iter", "recovery", "os")],
     include_dirs=[os.path.relpath(_csrc)],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
     libraries=["pthread"],

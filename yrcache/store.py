@@ -477,11 +477,14 @@ class TieredStore(MutableMapping):
     # ------------------------------------------------------------ iterating
 
     def keys(self, prefix: str = "") -> Iterator[str]:  # type: ignore[override]
-        """Iterate over keys starting with ``prefix`` (in no particular order).
+        """Iterate over keys starting with ``prefix``, in byte order.
 
-        Takes the lock once per batch of keys, so concurrent writers are not
-        stalled; a key added or removed during the iteration may or may not
-        appear.  An iterator resumed after ``close()`` raises StoreClosedError.
+        From the arena's sorted index: costs a logarithmic search plus the
+        matches, whatever the store holds, and takes the lock once per batch
+        of at most 512 keys, so concurrent writers are not stalled.  A key
+        added or removed during the iteration may or may not appear; every
+        other key appears once.  An iterator resumed after ``close()`` raises
+        StoreClosedError.
         """
         a = self._a
         if not isinstance(prefix, str):

@@ -35,6 +35,7 @@ int yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins) {
     memset(pins, 0, (uint64_t)npins * sizeof(pin_t));
     for (uint32_t i = 1; i < npins; i++) pins[i].next_free = (i + 1 < npins) ? i + 1 : 0;
     h->pin_free = 1;
+    h->sl_rng = 0x9E3779B97F4A7C15ULL ^ size;
     blk_t *b = AT(h, h->heap_off);
     memset(b, 0, BLK_HDR);
     b->size = h->heap_size;

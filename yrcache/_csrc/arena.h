@@ -203,13 +203,17 @@ int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *
                          uint32_t maxrecs, char *keybuf, uint64_t keybuflen);
 uint64_t yr_retired_pending(void *base);
 
-/* iteration, a bucket batch per call: fill the caller's buffers from bucket
- * *cursor on and advance it (0 at the end).  YR_EBUFFER with *need set when
- * one bucket alone needs more room than given.
- * yr_keys: [u32 len][bytes] records of keys starting with prefix.
- * yr_scan: records of objects whose tier is in the `tiers` bit mask. */
-int64_t yr_keys(void *base, uint64_t *cursor, const char *prefix, uint32_t plen, char *buf,
-                uint64_t buflen, uint64_t *need);
+/* keys starting with prefix, in byte order, from the sorted index: up to
+ * maxkeys [u32 len][bytes] records after the key `after` (from the first
+ * match when alen is 0); *more is 1 when the batch stopped at a limit.  Costs
+ * a logarithmic search plus the matches.  YR_EBUFFER (*more: the room
+ * needed) when a single key does not fit buflen. */
+int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after, uint32_t alen,
+                char *buf, uint64_t buflen, uint32_t maxkeys, uint64_t *more);
+/* iteration of objects for the placement policy, a bucket batch per call:
+ * records of objects whose tier is in the `tiers` bit mask, from bucket
+ * *cursor on (advanced; 0 at the end).  YR_EBUFFER with *need set when one
+ * bucket alone needs more room than given. */
 int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, uint32_t maxrecs,
                 char *keybuf, uint64_t keybuflen, uint64_t *need);
 

@@ -27,7 +27,10 @@ void link_live(hdr_t *h, uint64_t off) {
     b->next = *bucket;
     b->state = ST_LIVE;
     *bucket = off;
-    if (!INTERNAL(b)) h->objects++;
+    if (!INTERNAL(b)) {
+        h->objects++;
+        sl_insert(h, off);
+    }
     if (b->expire_at != 0.0) h->ttl_objects++;
 }
 
@@ -54,7 +57,10 @@ void retire_locked(hdr_t *h, uint64_t *slot) {
     blk_t *b = AT(h, off);
     *slot = b->next;
     b->next = 0;
-    if (!INTERNAL(b)) h->objects--;
+    if (!INTERNAL(b)) {
+        h->objects--;
+        sl_remove(h, off);
+    }
     if (b->expire_at != 0.0) h->ttl_objects--;
     if (b->pins) {
         b->state = ST_ORPHAN;

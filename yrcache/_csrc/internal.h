@@ -23,6 +23,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <stdio.h>
 #include <time.h>
 
 #include "arena.h"
@@ -30,7 +31,7 @@
 #define HIDDEN __attribute__((visibility("hidden")))
 
 #define MAGIC       0x3145484341435259ULL /* "YRCACHE1" little endian */
-#define LAYOUT      3
+#define LAYOUT      4
 #define ALIGN       64
 #define BLK_HDR     128
 #define MIN_BLOCK   128
@@ -42,6 +43,7 @@
 #define MAX_PROCS   (1u << 16)
 #define MAX_STATIC_PINS (1u << 24)
 #define C_NCOUNTERS 16
+#define SL_MAX      20      /* levels of the sorted index (skip list, p = 1/4) */
 
 /* RETIRED: a stub taken out of the index whose bytes live in a lower tier;
  * it waits on the retire list until a process frees those bytes (the disk
@@ -102,6 +104,10 @@ typedef struct {
     uint64_t pin_pages[MAX_PIN_PAGES];
     uint64_t retired_head;  /* list of ST_RETIRED blocks, linked by next */
     uint64_t retired_count;
+    uint64_t sl_head[SL_MAX];  /* the sorted index (sorted.c) */
+    uint32_t sl_levels;
+    uint32_t pad1;
+    uint64_t sl_rng;
     char     config[YR_CONFIG_BYTES];  /* the creator's settings (JSON), read by attachers */
     char     lockpad[0] __attribute__((aligned(64)));
     pthread_mutex_t lock;
@@ -124,6 +130,9 @@ _Static_assert(sizeof(blk_t) == BLK_HDR, "block header must be 128 bytes");
 #define INTERNAL(b)    ((b)->klen && KEY(b)[0] == 0)
 /* a stub whose bytes live in another tier */
 #define STUB(b)        (TIER_OF(b) != YR_TIER_DRAM && !INTERNAL(b))
+/* the sorted index's links of a live block: after its key and codec header */
+#define SL_LEVEL(b)    ((uint32_t)(b)->prev)
+#define FWD(b)         ((uint64_t *)((char *)(b) + BLK_HDR + align_up((uint64_t)(b)->klen + (b)->mlen, 8)))
 
 static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) & ~(a - 1); }
 static inline uint64_t heap_end(hdr_t *h) { return h->heap_off + h->heap_size; }
@@ -172,6 +181,13 @@ HIDDEN void link_live(hdr_t *h, uint64_t off);
 HIDDEN void retire_locked(hdr_t *h, uint64_t *slot);
 HIDDEN void dispose_locked(hdr_t *h, uint64_t off);
 HIDDEN void push_retired(hdr_t *h, uint64_t off);
+/* sorted.c */
+HIDDEN uint32_t sl_random_level(hdr_t *h);
+HIDDEN void sl_insert(hdr_t *h, uint64_t off);
+HIDDEN void sl_remove(hdr_t *h, uint64_t off);
+HIDDEN uint64_t sl_seek(hdr_t *h, const char *key, uint32_t n, int after);
+HIDDEN void sl_reset(hdr_t *h);
+HIDDEN int64_t sl_check(hdr_t *h, char *msg, uint32_t msglen);
 /* procs.c */
 HIDDEN int  pin_locked(hdr_t *h, uint32_t slot, uint64_t off);
 HIDDEN void unpin_locked(hdr_t *h, uint32_t pin);

@@ -8,38 +8,29 @@ static inline int has_prefix(blk_t *b, const char *prefix, uint32_t plen) {
     return b->klen >= plen && memcmp(KEY(b), prefix, plen) == 0;
 }
 
-int64_t yr_keys(void *base, uint64_t *cursor, const char *prefix, uint32_t plen, char *buf,
-                uint64_t buflen, uint64_t *need) {
+int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after, uint32_t alen,
+                char *buf, uint64_t buflen, uint32_t maxkeys, uint64_t *more) {
     hdr_t *h = H(base);
     double now = now_realtime();
     if (lock(h)) return YR_ELOCK;
     int64_t n = 0;
-    uint64_t pos = 0, i = *cursor;
-    for (; i < h->nbuckets; i++) {
-        uint64_t want = 0, cnt = 0;
-        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
-            blk_t *b = AT(h, off);
-            if (has_prefix(b, prefix, plen) && !expired(b, now) && !INTERNAL(b)) {
-                want += 4 + b->klen;
-                cnt++;
-            }
-        }
-        if (!cnt) continue;
-        if (pos + want > buflen) {
-            if (n == 0) { *need = want; unlock(h); return YR_EBUFFER; }
+    uint64_t pos = 0;
+    uint64_t off = alen ? sl_seek(h, after, alen, 1) : sl_seek(h, prefix, plen, 0);
+    *more = 0;
+    for (; off; off = FWD(AT(h, off))[0]) {
+        blk_t *b = AT(h, off);
+        if (!has_prefix(b, prefix, plen)) break;     /* sorted: no later key matches */
+        if (expired(b, now)) continue;
+        if (n == (int64_t)maxkeys || pos + 4 + b->klen > buflen) {
+            if (n == 0) { *more = 4 + b->klen; unlock(h); return YR_EBUFFER; }
+            *more = 1;
             break;
         }
-        for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
-            blk_t *b = AT(h, off);
-            if (has_prefix(b, prefix, plen) && !expired(b, now) && !INTERNAL(b)) {
-                memcpy(buf + pos, &b->klen, 4);
-                memcpy(buf + pos + 4, KEY(b), b->klen);
-                pos += 4 + b->klen;
-                n++;
-            }
-        }
+        memcpy(buf + pos, &b->klen, 4);
+        memcpy(buf + pos + 4, KEY(b), b->klen);
+        pos += 4 + b->klen;
+        n++;
     }
-    *cursor = i < h->nbuckets ? i : 0;
     unlock(h);
     return n;
 }

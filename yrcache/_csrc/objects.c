@@ -8,8 +8,9 @@
  * tiers loses to a concurrent overwrite instead of resurrecting old bytes. */
 #include "internal.h"
 
-static uint64_t block_need(uint32_t klen, uint32_t mlen, uint64_t nbytes, uint32_t *prel) {
-    uint64_t rel = align_up(BLK_HDR + (uint64_t)klen + mlen, ALIGN);
+static uint64_t block_need(uint32_t klen, uint32_t mlen, uint32_t level, uint64_t nbytes,
+                           uint32_t *prel) {
+    uint64_t rel = align_up(BLK_HDR + align_up((uint64_t)klen + mlen, 8) + 8ull * level, ALIGN);
     *prel = (uint32_t)rel;
     uint64_t need = align_up(rel + nbytes, ALIGN);
     return need < MIN_BLOCK ? MIN_BLOCK : need;
@@ -19,7 +20,8 @@ int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
                        const char *meta, uint32_t mlen, const yr_desc *d) {
     uint32_t rel;
     if (d->alloc_bytes > h->heap_size) return YR_ETOOBIG;
-    uint64_t need = block_need(klen, mlen, d->alloc_bytes, &rel);
+    uint32_t level = klen && key[0] == 0 ? 0 : sl_random_level(h);   /* internal keys are not listed */
+    uint64_t need = block_need(klen, mlen, level, d->alloc_bytes, &rel);
     if (need > h->heap_size) return YR_ETOOBIG;
     uint64_t off = alloc_block(h, need);
     if (!off) return YR_ENOSPC;
@@ -27,7 +29,8 @@ int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
     b->owner = slot;
     b->pins = 0;
     b->klen = klen;
-    b->next = b->prev = 0;
+    b->next = 0;
+    b->prev = level;
     b->hash = hash_key(key, klen);
     b->seq = 0;
     b->nbytes = d->nbytes;

@@ -48,17 +48,22 @@ void recover_locked(hdr_t *h) {
      *    between retiring the old object and publishing the new one), the
      *    newer sequence number wins. */
     memset(BUCKETS(h), 0, h->nbuckets * 8);
+    sl_reset(h);
     h->objects = h->orphans = h->reserved = h->pinned_bytes = h->used = h->ttl_objects = 0;
     for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) {
         blk_t *b = AT(h, off);
         if (b->state != ST_LIVE) continue;
         uint64_t *s = find_slot(h, b->hash, KEY(b), b->klen);
         if (s) {
-            blk_t *o = AT(h, *s);
+            uint64_t ooff = *s;
+            blk_t *o = AT(h, ooff);
             if (o->seq > b->seq) { b->state = ST_ORPHAN; continue; }
             *s = o->next;
             o->state = ST_ORPHAN;
-            if (!INTERNAL(o)) h->objects--;
+            if (!INTERNAL(o)) {
+                h->objects--;
+                sl_remove(h, ooff);
+            }
             if (o->expire_at != 0.0) h->ttl_objects--;
         }
         link_live(h, off);
@@ -148,6 +153,8 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
         else if (used != h->used) { snprintf(msg, msglen, "used %llu != counted %llu", (unsigned long long)h->used, (unsigned long long)used); bad = 1; }
         else if (objects != h->objects) { snprintf(msg, msglen, "objects %llu != counted %llu", (unsigned long long)h->objects, (unsigned long long)objects); bad = 1; }
         else if (orphans != h->orphans) { snprintf(msg, msglen, "orphans %llu != counted %llu", (unsigned long long)h->orphans, (unsigned long long)orphans); bad = 1; }
+        else if (sl_check(h, msg, msglen) < 0) { bad = 1; }
+        else if ((uint64_t)sl_check(h, msg, msglen) != objects) { snprintf(msg, msglen, "sorted index lists %lld keys, the index %llu", (long long)sl_check(h, msg, msglen), (unsigned long long)objects); bad = 1; }
         else if (retired != h->retired_count) { snprintf(msg, msglen, "retired %llu != counted %llu", (unsigned long long)h->retired_count, (unsigned long long)retired); bad = 1; }
         else {
             uint64_t linked = 0;

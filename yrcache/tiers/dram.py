@@ -499,30 +499,28 @@ class Arena:
     # ----------------------------------------------------------- iteration
 
     def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
-        """Keys starting with ``prefix``, a bucket batch per lock hold;
-        ``alive()`` runs before each batch (and may raise to stop)."""
-        cursor = ffi.new("uint64_t *", 0)
-        need = ffi.new("uint64_t *")
+        """Keys starting with ``prefix`` in byte order, from the sorted index: a
+        batch of at most 512 per lock hold, each batch a logarithmic search
+        plus its matches; ``alive()`` runs before each batch (and may raise)."""
+        more = ffi.new("uint64_t *")
         size = 1 << 16
         buf = ffi.new("char[]", size)
+        after = b""
         while True:
             if alive is not None:
                 alive()
-            n = lib.yr_keys(self.base, cursor, prefix, len(prefix), buf, size, need)
-            if n == lib.YR_EBUFFER:   # one bucket needs a bigger buffer
-                size = max(size * 2, need[0])
-                buf = ffi.new("char[]", size)
-                continue
+            n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 512, more)
             check(n, "keys")
             raw = ffi.buffer(buf, size)
             out, pos = [], 0
             for _ in range(n):
                 klen = int.from_bytes(raw[pos:pos + 4], "little")
-                out.append(raw[pos + 4:pos + 4 + klen].decode())
+                out.append(raw[pos + 4:pos + 4 + klen])
                 pos += 4 + klen
-            yield from out
-            if cursor[0] == 0:
+            yield from (k.decode() for k in out)
+            if not more[0]:
                 return
+            after = out[-1]
 
     def scan(self, tiers: int = ~0) -> Iterator[tuple[ScanRec, str]]:
         """(record, key) of every live object whose tier is in the bit mask
