@@ -339,3 +339,11 @@ def flat_bytes(value: Any) -> np.ndarray:
         return as_bytes_view(value.cpu() if value.device.type != "cpu" else value)
     return np.frombuffer(value, dtype=np.uint8)
 
+
+def extent(value: Any) -> tuple[int, int]:
+    """(address, byte count) of the memory under an array, a CPU tensor or a buffer."""
+    if is_tensor(value):
+        return value.data_ptr(), value.numel() * value.element_size()
+    arr = value if isinstance(value, np.ndarray) else np.frombuffer(value, dtype=np.uint8)
+    return arr.__array_interface__["data"][0], arr.nbytes
+

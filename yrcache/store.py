@@ -205,6 +205,25 @@ class TieredStore(MutableMapping):
         err = torch.cuda.cudart().cudaHostRegister(a.addr, a.size, 0)
         a.cuda_pinned = int(err) == 0 if err is not None else True
 
+    def prefault(self, *values: Any) -> None:
+        """Map arena pages now instead of one page fault per 4 KiB later.
+
+        Without arguments: every page of the arena, as ``attach(prefault=True)``
+        does up front (about 0.14 s per GiB), for a long-lived worker that
+        attached lazily.  With values (views from ``get``/``mget``): only the
+        pages under them, one call each, for a process about to read most of a
+        large value.  A no-op for small values, values outside the arena and
+        mappings that are already prefaulted.
+        """
+        a = self._a
+        if not values:
+            a.populate(a.addr, a.size, write=True)
+            a.prefaulted = True
+            return
+        for v in values:
+            if v is not None and not (codec.is_tensor(v) and v.device.type != "cpu"):
+                a.populate(*codec.extent(v))
+
     def word(self, name: str) -> Word:
         """A named word of this store: a 64-bit ``value`` and a wake-up counter.
 

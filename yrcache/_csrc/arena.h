@@ -168,7 +168,7 @@ int  yr_abort(void *base, uint32_t slot, uint64_t block_off);
  * values, which are copied in the same lock hold), commit */
 int  yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
             uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
-            yr_retired *out);
+            int populate, yr_retired *out);
 /* a batch of them (keys and metas packed back to back); returns how many were
  * stored (stops at the first that does not fit) */
 int  yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
@@ -234,4 +234,7 @@ int  yr_futex_wake(uint32_t *addr);
 void *yr_map(int fd, uint64_t size, int populate);
 int  yr_unmap(void *addr, uint64_t size);
 int  yr_populate_write(void *addr, uint64_t size);
+/* map the (existing) pages of a range now, for reading or writing (one
+ * madvise), rather than one fault per 4 KiB page as a copy touches them */
+int  yr_populate(void *addr, uint64_t n, int write);
 void yr_memcpy(void *dst, const void *src, uint64_t n);

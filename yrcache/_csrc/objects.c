@@ -129,7 +129,7 @@ static int put_small_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t k
 
 int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
            uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
-           yr_retired *out) {
+           int populate, yr_retired *out) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
     if (nbytes <= SMALL_PUT) {
@@ -144,7 +144,9 @@ int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char
     if (off <= 0) return (int)off;
     /* The copy runs outside the lock: other processes keep working.  A death
      * here leaves a RESERVED block, never visible, that the sweep frees. */
-    yr_memcpy((char *)AT(h, off) + AT(h, off)->payload_rel, data, nbytes);
+    char *dst = (char *)AT(h, off) + AT(h, off)->payload_rel;
+    if (populate) yr_populate(dst, nbytes, 1);   /* a mapping that has not touched these pages */
+    yr_memcpy(dst, data, nbytes);
     if (lock(h)) return YR_ELOCK;
     int r = commit_locked(h, slot, (uint64_t)off, UINT64_MAX, out);
     unlock(h);

@@ -112,6 +112,28 @@ static void stream_copy(char *d, const char *s, uint64_t n) {
 static void stream_copy(char *d, const char *s, uint64_t n) { memcpy(d, s, n); }
 #endif
 
+int yr_populate(void *addr, uint64_t n, int write) {
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+    long pg = sysconf(_SC_PAGESIZE);
+    uintptr_t start = (uintptr_t)addr & ~(uintptr_t)(pg - 1);
+    uint64_t len = ((uintptr_t)addr + n - start + pg - 1) & ~(uint64_t)(pg - 1);
+    /* READ even for a range about to be written: the arena's pages exist (the
+     * creator allocated them all), and shmem maps them writable on a read fault
+     * (it needs no write notification), so this maps them for writing too --
+     * at a third of MADV_POPULATE_WRITE's cost (129 MiB: 14 vs 40 ms here),
+     * and against 85 ms of faults taken one 4 KiB page at a time. */
+    (void)write;
+    if (madvise((void *)start, len, MADV_POPULATE_READ) == 0) return 0;
+    if (errno != EINVAL) return -errno;
+    /* A kernel older than 5.14: fault the pages in by reading them. */
+    volatile char sink = 0;
+    for (uint64_t off = 0; off < len; off += (uint64_t)pg) sink ^= ((volatile char *)start)[off];
+    (void)sink;
+    return 0;
+}
+
 void yr_memcpy(void *dst, const void *src, uint64_t n) {
     if (n >= NT_COPY_MIN) stream_copy(dst, src, n);
     else memcpy(dst, src, n);

@@ -2,11 +2,15 @@
 
 ``VersionBoard`` records which ranks published which version, marks complete
 versions, retires old ones and wakes waiters.  This implementation keeps JSON
-manifests in the store itself (under ``__rl__/<name>/``) and wakes waiters with
-the store's named word ``rl/<name>``; the interface is small on purpose so that it can
-move to etcd (a marker per version needs no compare-and-swap; a watch replaces
-the futex).  ``merge_manifests`` turns the ranks' manifests of one version into
-the global shape and parts of every tensor.
+manifests and markers in the store itself (under ``__rl__/<name>/``) and the
+*record* of the weight set in two named words of the store: ``rl/<name>``
+(the newest complete version, advanced by compare-and-set, and the futex that
+wakes every ``wait``) and ``rl/<name>/head`` (the newest version begun).  So
+``latest()`` is one atomic load and nothing on the wake path scans the store.
+The interface is small on purpose so that the record can move to an etcd key
+(a compare-and-swap transaction, a watch for the wake-up).  ``merge_manifests``
+turns the ranks' manifests of one version into the global shape and parts of
+every tensor.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .reshard import publish_parts, replicated_parts
+from .reshard import Part, publish_parts, replicated_parts
 
 #: Keys under this prefix belong to ``yrcache.rl``.
 RESERVED_PREFIX = "__rl__/"
@@ -33,18 +37,16 @@ def _check_name(name: Any) -> str:
 class VersionBoard:
     """The version manifest of one weight set: which versions exist and what they hold.
 
-    This local implementation keeps JSON manifests as bytes values in the
-    store under ``__rl__/<name>/`` and wakes waiters with the store's named
-    word ``rl/<name>`` (``TieredStore.word``).  The interface is small on purpose so that an etcd
-    implementation (markers as keys, a watch for wake-ups) can replace it.
+    Manifests and markers live in the store under ``__rl__/<name>/``; the
+    record (newest complete version, newest begun, wake-ups) in the store's
+    named words ``rl/<name>`` and ``rl/<name>/head`` (``TieredStore.word``).
     """
 
     def __init__(self, store, name: str):
         self.store = store
         self.name = _check_name(name)
         self.prefix = f"{RESERVED_PREFIX}{name}/"
-        self._word = None
-        self._latest: tuple[int, int | None] | None = None   # (token, latest) cache
+        self._word = self._head = None
 
     # ---------------------------------------------------------------- keys
     def version_prefix(self, version: int) -> str:
@@ -64,21 +66,23 @@ class VersionBoard:
     def _started_key(self, version: int) -> str:
         return f"{self.prefix}started/{version:020d}"
 
-    def _scan(self, sub: str) -> list[int]:
+    def _listed(self, sub: str) -> list[int]:
+        """The versions with a marker under ``sub`` (in proportion to them, not to the store)."""
         pre = self.prefix + sub
-        out = set()
+        out = []
         for k in self.store.keys(prefix=pre):
             try:
-                out.add(int(k[len(pre):len(pre) + 20]))
+                out.append(int(k[len(pre):len(pre) + 20]))
             except ValueError:
                 pass
-        return sorted(out)
+        return out      # ascending: keys come in byte order, versions are zero-padded
 
     # ------------------------------------------------------------- writing
     def begin(self, version: int, rank: int, world: int) -> None:
         """Announce that ``rank`` of ``world`` started publishing ``version`` (for
         ``head``, and so that a rank of another world notices)."""
         self.store.put(self._started_key(version), json.dumps([rank, world]).encode())
+        _raise_to(self.head_word, version + 1)
 
     def started_by(self, version: int) -> tuple[int, int] | None:
         """(rank, world) of the last rank that began publishing ``version``, or None."""
@@ -93,10 +97,18 @@ class VersionBoard:
         self.store.put(self._manifest_key(version, rank),
                        json.dumps(manifest, separators=(",", ":")).encode())
 
-    def complete(self, version: int, marker: dict) -> None:
-        """Make ``version`` visible (idempotent) and wake every waiter."""
-        self.store.put(self._complete_key(version), json.dumps(marker, separators=(",", ":")).encode())
-        self.wake()
+    def complete(self, version: int, marker: dict | None = None, wake: bool = True) -> None:
+        """Make ``version`` visible: write its marker (when given), then advance
+        the record (one compare-and-set, no scan), then wake every waiter
+        (unless the caller wakes them later, once it has nothing left to do).
+        Idempotent: a process that died in between is repaired by the next
+        rank that completes the version (or any later one); a lost wake-up
+        delays waiters by at most a second (``wait`` re-reads the record)."""
+        if marker is not None:
+            self.store.put(self._complete_key(version), json.dumps(marker, separators=(",", ":")).encode())
+        _raise_to(self.wake_word, version + 1)
+        if wake:
+            self.wake()
 
     def retire(self, version: int) -> None:
         """Hide ``version`` (marker first), then drop its manifests and parts.
@@ -106,7 +118,7 @@ class VersionBoard:
         """
         self.store.delete(self._complete_key(version))
         self.store.delete(self._started_key(version))
-        for k in list(self.store.keys(prefix=self.version_prefix(version))):
+        for k in list(self.store.keys(prefix=self.version_prefix(version))):   # its parts and manifests only
             self.store.delete(k)
 
     # ------------------------------------------------------------- reading
@@ -121,37 +133,40 @@ class VersionBoard:
         return None if raw is None else json.loads(bytes(raw))
 
     def complete_versions(self) -> list[int]:
-        """Every visible version, ascending."""
-        return self._scan("complete/")
+        """Every visible version, ascending (a listing of their markers only)."""
+        return self._listed("complete/")
 
     def versions(self) -> list[int]:
         """Every version with anything stored (complete, in flight or abandoned), ascending."""
-        return sorted(set(self._scan("v/")) | set(self._scan("started/")) | set(self._scan("complete/")))
+        return sorted(set(self._listed("started/")) | set(self._listed("complete/")))
 
     def latest(self) -> int | None:
-        """The newest visible version, or None (cached until the futex word moves)."""
-        tok = self.token()
-        cached = self._latest
-        if cached is not None and cached[0] == tok:
-            return cached[1]
-        done = self.complete_versions()
-        latest = done[-1] if done else None
-        self._latest = (tok, latest)
-        return latest
+        """The newest visible version, or None: one atomic load of the record."""
+        v = self.wake_word.value
+        return v - 1 if v else None
 
     def head(self) -> int | None:
         """The newest version any rank has started publishing (>= ``latest()``)."""
-        started = self._scan("started/")
-        cands = [v for v in (started[-1] if started else None, self.latest()) if v is not None]
-        return max(cands) if cands else None
+        h = self.head_word.value
+        latest = self.latest()
+        return max(h - 1, latest if latest is not None else -1) if h else latest
 
     # -------------------------------------------------------------- waking
     @property
     def wake_word(self):
-        """This weight set's own named word of the store (no other name shares it)."""
+        """This weight set's record: a named word of the store (no other name
+        shares it) whose value is the newest complete version + 1 and whose
+        wake-up counter wakes every ``wait``."""
         if self._word is None:
             self._word = self.store.word(f"rl/{self.name}")
         return self._word
+
+    @property
+    def head_word(self):
+        """The newest version a rank has begun, + 1."""
+        if self._head is None:
+            self._head = self.store.word(f"rl/{self.name}/head")
+        return self._head
 
     def token(self) -> int:
         """The current wake-up counter; read it *before* checking, then ``wait_change``."""
@@ -164,6 +179,29 @@ class VersionBoard:
     def wake(self) -> None:
         """Bump the counter and wake every waiter."""
         self.wake_word.wake()
+
+
+def _raise_to(word, value: int) -> None:
+    """Set ``word.value`` to ``value`` unless it is already as high (compare-and-set)."""
+    while True:
+        cur = word.value
+        if cur >= value or word.cas(cur, value):
+            return
+
+
+def encode_info(info: dict[str, "_Tensor"]) -> dict:
+    """The merged description of a version, as JSON for its completion marker:
+    subscribers read one marker instead of every rank's manifest."""
+    return {name: [t.kind, t.dtype, t.itemsize, list(t.shape),
+                   [[p.rank, p.dim, p.offset, list(p.shape)] for p in t.parts], list(t.keys)]
+            for name, t in info.items()}
+
+
+def decode_info(doc: dict) -> dict[str, "_Tensor"]:
+    """The inverse of ``encode_info``."""
+    return {name: _Tensor(kind, dtype, itemsize, tuple(shape),
+                          tuple(Part(r, d, o, tuple(ps)) for r, d, o, ps in parts), tuple(keys))
+            for name, (kind, dtype, itemsize, shape, parts, keys) in doc.items()}
 
 
 class _Tensor(NamedTuple):

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .board import FORMAT, VersionBoard, merge_manifests
+from .board import FORMAT, VersionBoard, encode_info, merge_manifests
 from .reshard import Shard
 
 __all__ = ["WeightPublisher"]
@@ -130,6 +130,7 @@ class WeightPublisher:
         self.last_version: int | None = None
         self.last_publish_stats: dict = {}
         self._pending: set[int] = set()
+        self._woke_nobody = False        # a version completed here, its waiters not woken yet
 
     def publish(self, state: Mapping[str, Any], version: int, layout: Mapping[str, Shard | None] | None = None,
                 dtype: Any = None) -> bool:
@@ -213,6 +214,10 @@ class WeightPublisher:
             self._pending.discard(v)
         if not visible:
             self._pending.add(version)
+        if self._woke_nobody:
+            # Last: woken subscribers take the CPU, so the publisher finishes first.
+            self._woke_nobody = False
+            self.board.wake()
         self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
                                    "seconds": time.perf_counter() - t0, "complete": visible}
         return visible
@@ -242,13 +247,17 @@ class WeightPublisher:
     def _try_complete(self, version: int) -> bool:
         """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim."""
         if self.board.completion(version) is not None:
+            self.board.complete(version, wake=False)   # repairs the record if its completer died
+            self._woke_nobody = True
             return True
         manifests = self.board.rank_manifests(version, self.world)
         if any(m is None for m in manifests):
             return False
-        merge_manifests(manifests, self.name, version)       # refuse an inconsistent version
+        info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
         self.board.complete(version, {"version": version, "world": self.world, "keep": self.keep,
-                                      "nonces": [m["nonce"] for m in manifests]})
+                                      "nonces": [m["nonce"] for m in manifests],
+                                      "tensors": encode_info(info)}, wake=False)
+        self._woke_nobody = True
         self._reclaim()
         return True
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .board import VersionBoard, _Tensor, merge_manifests
+from .board import VersionBoard, _Tensor, decode_info, merge_manifests
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
 
@@ -99,6 +99,26 @@ def _src_bytes(view: Any) -> np.ndarray:
     if view.numel() == 0:
         return np.empty(0, np.uint8)
     return view.reshape(-1).view(_torch().uint8).numpy()
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _progress(total: int, desc: str):
+    """A progress bar for a big fetch on a terminal; nothing (not even the import) otherwise."""
+    if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
 
 
 class _Stager:
@@ -208,10 +228,13 @@ class WeightSubscriber:
             hit = self._infos.get(version)
         if hit is not None and hit[0] == marker:
             return hit[1]
-        manifests = self.board.rank_manifests(version, marker["world"])
-        if any(m is None for m in manifests) or [m["nonce"] for m in manifests] != marker["nonces"]:
-            raise KeyError(self._gone(version))
-        info = merge_manifests(manifests, self.name, version)
+        if "tensors" in marker:          # the completing rank merged the manifests once for all
+            info = decode_info(marker["tensors"])
+        else:
+            manifests = self.board.rank_manifests(version, marker["world"])
+            if any(m is None for m in manifests) or [m["nonce"] for m in manifests] != marker["nonces"]:
+                raise KeyError(self._gone(version))
+            info = merge_manifests(manifests, self.name, version)
         with self._lock:
             self._infos[version] = (marker, info)
             while len(self._infos) > 4:
@@ -292,15 +315,22 @@ class WeightSubscriber:
         if any(v is None for v in views):
             raise KeyError(self._gone(version))
         bufs = {k: _src_bytes(v) for k, v in zip(keys, views)}
+        # The byte range each part is read in, mapped in one call per part (a
+        # process that has not touched them would take a fault per 4 KiB).
+        spans: dict[str, list[int]] = {}
+        for t in targets:
+            for pid, so, _do, run, rows, ss, _ds in t.plan.ops:
+                lo, hi = so, so + (rows - 1) * ss + run
+                sp = spans.setdefault(t.keys[pid], [lo, hi])
+                sp[0], sp[1] = min(sp[0], lo), max(sp[1], hi)
+        self.store.prefault(*(bufs[k][lo:hi] for k, (lo, hi) in spans.items()))
         needed = sum(math.prod(t.shape) * t.itemsize for t in targets)
         copied = 0
         out: dict[str, Any] = {}
         pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
         reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
         stager = _Stager(min(BUCKET_BYTES, -(-needed // 64) * 64 + 64 * len(targets)), pin, reuse)
-        from tqdm.auto import tqdm
-        with tqdm(total=needed, unit="B", unit_scale=True, desc=f"{self.name} v{version}",
-                  disable=not sys.stderr.isatty() or needed < PROGRESS_MIN_BYTES) as bar:
+        with _progress(needed, f"{self.name} v{version}") as bar:
             for t in targets:
                 out[t.name] = self._gather(t, bufs, into.get(t.name), dtype, stager)
                 n = plan_nbytes(t.plan.plan)

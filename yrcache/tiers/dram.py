@@ -156,6 +156,9 @@ _tls = threading.local()
 #: A DRAM object whose header and payload fit in this many bytes is copied out
 #: by a read instead of pinned: copying 4 KiB costs less than a pin and its release.
 SMALL_READ = 4096 + 256   # a 4 KiB value and its header
+#: A mapping that was not prefaulted maps the pages of a copy at least this big
+#: in one call first, instead of taking a fault per 4 KiB page during the copy.
+POPULATE_MIN = 1 << 20
 
 
 def _scratch():
@@ -185,6 +188,7 @@ class Arena:
         self._fd = -1
         self._slot = 0
         self.pid = 0
+        self.prefaulted = bool(prefault)
         fd, self.created = open_segment(name, create, size)
         self._fd = fd
         try:
@@ -365,15 +369,26 @@ class Arena:
         if off in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
             return None
         check(off, "reserve")
+        if alloc >= POPULATE_MIN and not self.prefaulted:
+            lib.yr_populate(self.cbase + poff[0], alloc, 1)
         return Reservation(self, off, poff[0], alloc)
+
+    def populate(self, addr: int, nbytes: int, write: bool = False) -> bool:
+        """Map the pages of ``[addr, addr + nbytes)`` now if they lie in this
+        arena and this mapping was not prefaulted; True if it did."""
+        if self.prefaulted or nbytes < POPULATE_MIN or not self.addr <= addr < self.addr + self.size:
+            return False
+        nbytes = min(nbytes, self.addr + self.size - addr)
+        return lib.yr_populate(self.cbase + (addr - self.addr), nbytes, int(write)) == 0
 
     def put(self, kb: bytes, meta: bytes, data: Any, nbytes: int, priority: int, expire_at: float) -> Any:
         """Store a DRAM value from a buffer in one call (the copy of a large one
         runs outside the arena lock, without the GIL); what it replaced, or None
         when no block fits."""
         out = _scratch()[1]
+        populate = int(nbytes >= POPULATE_MIN and not self.prefaulted)
         rc = lib.yr_put(self.base, self.slot, kb, len(kb), meta, len(meta),
-                        ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, out)
+                        ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, populate, out)
         if rc in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
             return None
         check(rc, "put")

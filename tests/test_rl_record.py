@@ -1,0 +1,251 @@
+"""RL weight sync at node scale: the per-name version record, wake-ups that
+never strand or cross names, crashes at every step of a publish, and a model
+of interleaved publishers (issue "RL weight sync at node scale")."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from yrcache import TieredStore
+from yrcache.rl import WeightPublisher, WeightSubscriber
+from yrcache.rl.board import VersionBoard
+from procs import finish, kill_and_join, start, wait_or_die
+
+
+def state(v: int, n: int = 256) -> dict:
+    return {"w": np.full(n, v, dtype=np.float32), "b": np.arange(8, dtype=np.int64) + v}
+
+
+def rl_keys(store, name="policy") -> list[str]:
+    return list(store.keys(prefix=f"__rl__/{name}/"))
+
+
+# -------------------------------------------------------------- the record
+
+
+def test_latest_and_head_come_from_the_record_not_a_scan(make_store, monkeypatch):
+    store = make_store()
+    pub = WeightPublisher(store, "policy")
+    sub = WeightSubscriber(store, "policy")
+    assert sub.latest() is None
+    pub.publish(state(1), version=1)
+    calls = []
+    real = type(store).keys
+    monkeypatch.setattr(type(store), "keys", lambda self, *a, **k: calls.append(a) or real(self, *a, **k))
+    assert sub.latest() == 1 and sub.board.head() == 1
+    assert sub.wait(newer_than=0, timeout=1) == 1
+    assert sub.wait(newer_than=1, timeout=0.05, max_staleness=0) == 1
+    assert calls == [], "latest/head/wait listed keys"
+    assert store.word("rl/policy").value == 2          # newest complete version + 1
+
+
+def test_a_lost_wake_up_delays_a_waiter_at_most_a_second(make_store, monkeypatch):
+    """The completing process dies between the marker and the wake (here: the
+    wake is suppressed).  The waiter re-reads the record every second."""
+    store = make_store()
+    pub = WeightPublisher(store, "policy")
+    pub.publish(state(1), version=1)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(
+        WeightSubscriber(store, "policy").wait(newer_than=1, timeout=5)))
+    waiter.start()
+    time.sleep(0.1)
+    monkeypatch.setattr(VersionBoard, "wake", lambda self: None)
+    t0 = time.monotonic()
+    pub.publish(state(2), version=2)
+    waiter.join(6)
+    assert got == [2], "the waiter missed a complete version"
+    assert time.monotonic() - t0 < 2.0
+
+
+def _wait_once(name, weight_set, newer_than, timeout):
+    s = TieredStore.attach(name)
+    try:
+        return WeightSubscriber(s, weight_set).wait(newer_than=newer_than, timeout=timeout)
+    except TimeoutError:
+        return "timeout"
+    finally:
+        s.close()
+
+
+def test_names_never_wake_each_other(make_store, store_name):
+    """A subscriber of one weight set sleeps through every publish of others."""
+    store = make_store()
+    pubs = {n: WeightPublisher(store, n) for n in ("actor", "model", "llama", "critic")}
+    for n, p in pubs.items():
+        p.publish(state(0), version=0)
+    words = {n: store.word(f"rl/{n}") for n in pubs}
+    seqs = {n: w.seq for n, w in words.items()}
+    ctx = multiprocessing.get_context("fork")
+    p, q = start(ctx, _wait_once, store_name, "actor", 0, 1.0)
+    for v in range(1, 20):
+        for n in ("model", "llama", "critic"):
+            pubs[n].publish(state(v), version=v)
+    assert words["actor"].seq == seqs["actor"], "another name's publish bumped actor's word"
+    assert all(words[n].seq > seqs[n] for n in ("model", "llama", "critic"))
+    assert finish(p, q) == "timeout"            # slept through 57 publishes of other names
+    pubs["actor"].publish(state(1), version=1)
+    assert words["actor"].seq == seqs["actor"] + 1
+
+
+def test_retire_deletes_the_parts_of_old_versions_only(make_store):
+    store = make_store()
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2, keep=2) for r in range(2)]
+    for v in range(1, 6):
+        for p in pubs:
+            p.publish(state(v), version=v)
+    versions = {int(k.split("/")[3]) for k in rl_keys(store) if "/v/" in k}
+    assert versions == {4, 5}
+    sub = WeightSubscriber(store, "policy")
+    assert sub.versions() == [4, 5] and sub.latest() == 5
+    np.testing.assert_array_equal(sub.fetch(5)["w"], np.full(256, 5, np.float32))
+
+
+# --------------------------------------------------------------- crashes
+
+
+def _rank_dies(name, rank, version, where):
+    s = TieredStore.attach(name)
+    pub = WeightPublisher(s, "policy", rank=rank, world=2)
+    if where == "after parts":
+        real = VersionBoard.record_rank
+        VersionBoard.record_rank = lambda self, *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    elif where == "after manifest":
+        real = VersionBoard.record_rank
+
+        def record_then_die(self, *a, **k):
+            real(self, *a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+        VersionBoard.record_rank = record_then_die
+    elif where == "completing: after the marker":
+        real = VersionBoard.complete
+
+        def marker_then_die(self, version, marker=None, wake=True):
+            self.store.put(self._complete_key(version), b'{"world": 2}')
+            os.kill(os.getpid(), signal.SIGKILL)
+        VersionBoard.complete = marker_then_die
+    pub.publish(state(version), version=version)
+    return "survived"
+
+
+@pytest.mark.parametrize("where", ["after parts", "after manifest", "completing: after the marker"])
+def test_a_rank_killed_mid_publish(make_store, store_name, where):
+    store = make_store()
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
+    for p in pubs:
+        p.publish(state(1), version=1)
+    if where.startswith("completing"):
+        pubs[0].publish(state(2), version=2)     # rank 1 is the one that completes
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=_rank_dies, args=(store_name, 1, 2, where), daemon=True)
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    sub = WeightSubscriber(store, "policy")
+    assert sub.latest() == 1, "a version became visible without all its ranks"
+    np.testing.assert_array_equal(sub.fetch(1)["w"], state(1)["w"])
+    store.stats()                                # sweeps the dead rank: its reservations go
+    fresh = WeightPublisher(store, "policy", rank=1, world=2)   # the restarted rank
+    if where == "after parts":        # no manifest of rank 1: the version waits for it
+        assert pubs[0].publish(state(2), version=2) is False
+        assert fresh.publish(state(2), version=2) is True
+    elif where == "after manifest":   # everything of rank 1 was written: rank 0 completes it
+        assert pubs[0].publish(state(2), version=2) is True
+    else:                             # the marker without the record: republishing repairs it
+        assert fresh.publish(state(2), version=2) is True
+    assert sub.latest() == 2
+    for v in (3, 4):
+        pubs[0].publish(state(v), version=v)
+        fresh.publish(state(v), version=v)
+    assert sub.latest() == 4 and sub.versions() == [3, 4]
+    np.testing.assert_array_equal(sub.fetch(4)["w"], state(4)["w"])
+    st = store.stats()
+    assert st["orphans"] == 0 and st["pinned_bytes"] == 0, st
+    store.check()
+
+
+def _fetch_and_hang(name, ready):
+    s = TieredStore.attach(name)
+    sub = WeightSubscriber(s, "policy")
+    got = sub.fetch(sub.latest())                # holds views of version 1
+    assert got["w"][0] == 1
+    ready.set()
+    time.sleep(120)
+
+
+def test_a_subscriber_killed_mid_fetch(make_store, store_name):
+    store = make_store()
+    pub = WeightPublisher(store, "policy", keep=1)
+    pub.publish(state(1, 64 * 1024), version=1)
+    ctx = multiprocessing.get_context("fork")
+    ready = ctx.Event()
+    p = ctx.Process(target=_fetch_and_hang, args=(store_name, ready), daemon=True)
+    p.start()
+    try:
+        wait_or_die(ready, p)
+        pub.publish(state(2, 64 * 1024), version=2)    # retires version 1 while it is held
+    finally:
+        kill_and_join(p)
+    st = store.stats()                           # the dead subscriber's pins go
+    assert st["orphans"] == 0 and st["pinned_bytes"] == 0, st
+    pub.publish(state(3, 64 * 1024), version=3)
+    assert WeightSubscriber(store, "policy").versions() == [3]
+    store.check()
+
+
+# ----------------------------------------------------------------- model
+
+
+class InterleavedPublishers(RuleBasedStateMachine):
+    """Two ranks publish versions in any order (and skip some); a subscriber
+    must never see an incomplete version, and never lose the newest complete."""
+
+    @initialize()
+    def setup(self):
+        self.name = f"model-rl-{os.getpid()}-{id(self):x}"
+        self.store = TieredStore(name=self.name, dram="16MiB")
+        self.pubs = [WeightPublisher(self.store, "p", rank=r, world=2, keep=2) for r in range(2)]
+        self.sub = WeightSubscriber(self.store, "p")
+        self.done: dict[int, set[int]] = {}     # version -> ranks that published it
+        self.next = [0, 0]                      # next version each rank may publish
+
+    def teardown(self):
+        if hasattr(self, "store"):
+            self.store.destroy()
+
+    @rule(rank=st.integers(0, 1), skip=st.integers(0, 2))
+    def publish(self, rank, skip):
+        v = self.next[rank] + skip
+        latest = self.sub.latest()
+        if latest is not None and v <= latest:
+            v = latest + 1
+        self.pubs[rank].publish(state(v, 16), version=v)
+        self.next[rank] = v + 1
+        self.done.setdefault(v, set()).add(rank)
+
+    @invariant()
+    def latest_is_the_newest_complete(self):
+        if not hasattr(self, "sub"):
+            return
+        complete = [v for v, ranks in self.done.items() if ranks == {0, 1}]
+        want = max(complete) if complete else None
+        assert self.sub.latest() == want
+        if want is not None:
+            got = self.sub.fetch(want)
+            np.testing.assert_array_equal(got["w"], np.full(16, want, np.float32))
+            assert got["b"].tolist() == list(range(want, want + 8))
+
+
+TestInterleavedPublishers = InterleavedPublishers.TestCase
+TestInterleavedPublishers.settings = settings(max_examples=25, stateful_step_count=20, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
