@@ -82,7 +82,7 @@ def test_names_never_wake_each_other(make_store, store_name):
     """A subscriber of one weight set sleeps through every publish of others."""
     store = make_store()
     pubs = {n: WeightPublisher(store, n) for n in ("actor", "model", "llama", "critic")}
-    for n, p in pubs.items():
+    for p in pubs.values():
         p.publish(state(0), version=0)
     words = {n: store.word(f"rl/{n}") for n in pubs}
     seqs = {n: w.seq for n, w in words.items()}

@@ -26,18 +26,18 @@ from .mover import Mover
 from .placement import RETRY, SMALL_VALUE, Placement
 from .policy import Policy
 from .sizes import format_size
+from .store_ops import StoreOps
 from .validate import expire_at as _expire_at, key_bytes, priority as _priority
-from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, Word, check_name, unlink_if
+from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 
 __all__ = ["TieredStore", "Tier", "WriteMode", "key_bytes"]
 
 HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 _MISSING = object()
 _PLAIN_TYPES = (np.ndarray, bytes, bytearray)
-_WORD_PREFIX = "user/"
 
 
-class TieredStore(MutableMapping):
+class TieredStore(StoreOps, MutableMapping):
     """An embedded tiered key-value store for bytes, arrays and tensors.
 
     ``TieredStore(name=..., dram="2GiB")`` creates a store (or adopts one whose
@@ -186,62 +186,6 @@ class TieredStore(MutableMapping):
             raise ValueError("tier=Tier.HBM needs an HBM tier in this process: create the store "
                              "with hbm=<size> (and device=)")
         return tier
-
-    def pin_host_memory(self) -> None:
-        """Register the arena as pinned (page-locked) host memory for CUDA.
-
-        Copies between the arena and a GPU then run at full PCIe speed, with
-        no bounce through a pageable buffer.  Done once per process and
-        mapping; yrcache calls it at the first device copy, so CPU-only users
-        never initialise CUDA.  A no-op without CUDA.
-        """
-        a = self._a
-        if getattr(a, "cuda_pinned", False):
-            return
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        err = torch.cuda.cudart().cudaHostRegister(a.addr, a.size, 0)
-        a.cuda_pinned = int(err) == 0 if err is not None else True
-
-    def prefault(self, *values: Any) -> None:
-        """Map arena pages now instead of one page fault per 4 KiB later.
-
-        Without arguments: every page of the arena, as ``attach(prefault=True)``
-        does up front (about 0.14 s per GiB), for a long-lived worker that
-        attached lazily.  With values (views from ``get``/``mget``): only the
-        pages under them, one call each, for a process about to read most of a
-        large value.  A no-op for small values, values outside the arena and
-        mappings that are already prefaulted.
-        """
-        a = self._a
-        if not values:
-            a.populate(a.addr, a.size, write=True)
-            a.prefaulted = True
-            return
-        for v in values:
-            if v is not None and not (codec.is_tensor(v) and v.device.type != "cpu"):
-                a.populate(*codec.extent(v))
-
-    def word(self, name: str) -> Word:
-        """A named word of this store: a 64-bit ``value`` and a wake-up counter.
-
-        Shared by every process of the store, created on first use, kept for
-        the store's life.  ``w.seq`` then ``w.wait(seen, timeout)`` sleeps on
-        a futex until someone calls ``w.wake()``; ``w.cas(old, new)`` updates
-        ``value`` atomically.  No lock and no lookup after the first call.
-
-        >>> with TieredStore(dram="16MiB") as s:
-        ...     w = s.word("ready")
-        ...     seen = w.seq
-        ...     w.wake()
-        ...     w.wait(seen, timeout=1.0)
-        True
-        """
-        if not isinstance(name, str) or not 0 < len(name.encode()) <= 200 or "\x00" in name:
-            raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
-        return self._a.word(_WORD_PREFIX + name)
 
     # ---------------------------------------------------------------- puts
 
@@ -450,31 +394,6 @@ class TieredStore(MutableMapping):
             return False
         return self._a.contains(kb)
 
-    def info(self, key: str) -> dict | None:
-        """What is stored under ``key``, without reading it: ``{"tier", "nbytes",
-        "kind", "priority", "expire_at"}`` plus ``"dtype"`` and ``"shape"`` for
-        arrays and tensors; None when missing.  No pin, no read counted.
-
-        >>> with TieredStore(dram="16MiB") as s:
-        ...     s["x"] = np.zeros((2, 3), np.float32)
-        ...     i = s.info("x")
-        ...     (i["tier"], i["nbytes"], i["kind"], i["dtype"], i["shape"])
-        (<Tier.DRAM: 1>, 24, 'ndarray', '<f4', (2, 3))
-        """
-        got = self._a.peek(key_bytes(key))
-        if got is None:
-            return None
-        info, meta = got
-        return {"tier": Tier(info.tier), "nbytes": info.nbytes, "priority": info.priority,
-                "expire_at": info.expire_at or None, **codec.describe(meta)}
-
-    def tier_of(self, key: str) -> Tier:
-        """The tier that holds ``key`` now; ``KeyError`` when missing.  No pin, no read counted."""
-        got = self._a.peek(key_bytes(key))
-        if got is None:
-            raise KeyError(key)
-        return Tier(got[0].tier)
-
     # ------------------------------------------------------------- deletes
 
     def delete(self, key: str) -> bool:
@@ -519,54 +438,6 @@ class TieredStore(MutableMapping):
         return a.stats().objects
 
     # --------------------------------------------------------------- stats
-
-    @property
-    def _multi_tier(self) -> bool:
-        """Could any object live outside DRAM (here, or HBM in another process)?"""
-        return self._disk is not None or self._hbm is not None or bool(self._config.get("hbm"))
-
-    def stats(self) -> dict:
-        """Capacity, use and counters of every tier (a fresh snapshot).
-
-        O(objects in lower tiers) when the store has them (their stubs are
-        counted by a scan of the index, filtered in C).
-        """
-        a = self._a
-        a.sweep()
-        a.expire(time.time())
-        self._placement.flush()
-        st = a.stats()
-        tiers = self._placement.tier_stats(st, self._config.get("hbm", 0))
-        return {
-            "name": self.name,
-            "tiers": tiers,
-            "hits": st.hits, "misses": st.misses, "puts": st.puts, "deletes": st.deletes,
-            "spills": st.spills, "promotions": st.promotions, "evictions": st.evictions,
-            "pinned_bytes": st.pinned_bytes, "orphans": st.orphans, "recoveries": st.recoveries,
-            "processes": st.procs,
-        }
-
-    def flush(self) -> None:
-        """Wait until background work is done (replication in cluster mode).
-        Moves between tiers are synchronous in an embedded store."""
-        self._check_open()
-        self._placement.flush()
-
-    def check(self) -> None:
-        """Verify the store's invariants; raise ``YrcacheError`` naming the first broken one.
-
-        The arena's own (heap, index, pins, counts), then across tiers: every
-        SSD payload has a live stub and every SSD stub a payload; every
-        device tensor of this process a live stub of the same object; and each
-        lower tier's ``used`` equals the sum of what it holds.  O(objects);
-        meant for tests and ``yrcache stat``, on a store nobody is writing.
-        """
-        a = self._a
-        msg = a.check_invariants()
-        if msg:
-            raise YrcacheError(f"arena invariant violated: {msg}")
-        if self._multi_tier:
-            self._placement.check_tiers()
 
     # ------------------------------------------------------------ lifecycle
 

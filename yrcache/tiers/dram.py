@@ -63,8 +63,7 @@ class ScanRec(NamedTuple):
 
 
 def _scanrec(r) -> ScanRec:
-    return ScanRec(r.seq, r.nbytes, r.block_size, r.priority, r.access_count, r.last_access,
-                   r.expire_at, r.tier, r.pins, r.gen, r.holder, r.flags)
+    return ScanRec(*(getattr(r, f) for f in ScanRec._fields))
 
 
 class Reservation:
