@@ -23,6 +23,7 @@ from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
 
 __all__ = ["WeightSubscriber"]
 
+PREFAULT_MIN_BYTES = 1 << 20      # map the pages a fetch reads first when it reads this much
 PROGRESS_MIN_BYTES = 256 << 20   # show a progress bar for fetches at least this big (on a tty)
 BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
 
@@ -315,16 +316,17 @@ class WeightSubscriber:
         if any(v is None for v in views):
             raise KeyError(self._gone(version))
         bufs = {k: _src_bytes(v) for k, v in zip(keys, views)}
-        # The byte range each part is read in, mapped in one call per part (a
-        # process that has not touched them would take a fault per 4 KiB).
-        spans: dict[str, list[int]] = {}
-        for t in targets:
-            for pid, so, _do, run, rows, ss, _ds in t.plan.ops:
-                lo, hi = so, so + (rows - 1) * ss + run
-                sp = spans.setdefault(t.keys[pid], [lo, hi])
-                sp[0], sp[1] = min(sp[0], lo), max(sp[1], hi)
-        self.store.prefault(*(bufs[k][lo:hi] for k, (lo, hi) in spans.items()))
         needed = sum(math.prod(t.shape) * t.itemsize for t in targets)
+        if needed >= PREFAULT_MIN_BYTES:
+            # The byte range each part is read in, mapped in one call per part (a
+            # process that has not touched them would take a fault per 4 KiB).
+            spans: dict[str, list[int]] = {}
+            for t in targets:
+                for pid, so, _do, run, rows, ss, _ds in t.plan.ops:
+                    lo, hi = so, so + (rows - 1) * ss + run
+                    sp = spans.setdefault(t.keys[pid], [lo, hi])
+                    sp[0], sp[1] = min(sp[0], lo), max(sp[1], hi)
+            self.store.prefault(*(bufs[k][lo:hi] for k, (lo, hi) in spans.items()))
         copied = 0
         out: dict[str, Any] = {}
         pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
