@@ -113,9 +113,15 @@ def _mem_total() -> str:
 def _shm_size() -> str:
     try:
         st = os.statvfs("/dev/shm")
-        return f"{st.f_blocks * st.f_frsize / GiB:.1f} GiB total, {st.f_bavail * st.f_frsize / GiB:.1f} GiB free"
+        size = f"{st.f_blocks * st.f_frsize / GiB:.1f} GiB total, {st.f_bavail * st.f_frsize / GiB:.1f} GiB free"
     except OSError:
         return "unknown"
+    huge = "never"   # the mount option that decides whether huge_pages=True gets huge pages
+    for line in _read("/proc/self/mounts").splitlines():
+        f = line.split()
+        if len(f) > 3 and f[1] == "/dev/shm":
+            huge = next((o[5:] for o in f[3].split(",") if o.startswith("huge=")), "never")
+    return f"{size}, huge={huge}"
 
 
 def _version(dist: str) -> str:

@@ -630,13 +630,13 @@ def _worker_main(rank: int, cfg: dict, sync: dict, conn) -> None:
                    "rss": w.rss, "prefault": w.prefault}, w.close)
 
 
-def _owner_main(name: str, dram: int, conn) -> None:
+def _owner_main(name: str, dram: int, huge_pages: bool, conn) -> None:
     """Creates (pre-faults) and owns the store, so that the main process stays small."""
     from yrcache import TieredStore
     U.child_init()
     try:
         t0 = time.perf_counter()
-        store = TieredStore(name=name, dram=dram)
+        store = TieredStore(name=name, dram=dram, huge_pages=huge_pages)
         created_s = time.perf_counter() - t0
     except Exception:
         conn.send(("err", traceback.format_exc()))
@@ -777,7 +777,7 @@ class Group:
             dram = int(args.dram_factor * model.numel() * 2) + 64 * MiB   # keep=2 + one in flight + slack
             cleanup.add(f"destroy store {cfg['store']}", functools.partial(U.destroy_store, cfg["store"]))
             log(f"{method}: creating a {dram / GiB:.2f} GiB store in an owner process (pre-faulted)")
-            self.owner = U.Child(functools.partial(_owner_main, cfg["store"], dram), "store-owner", cleanup)
+            self.owner = U.Child(functools.partial(_owner_main, cfg["store"], dram, args.huge_pages), "store-owner", cleanup)
             if self.owner.ready[0] != "ready":
                 raise RuntimeError(f"the store owner failed:\n{self.owner.ready[1]}")
             self.out["store_dram"] = dram
@@ -1133,6 +1133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefault", action="store_true",
                     help="yrcache workers attach with prefault=True (default: as a pickled store attaches, "
                          "pages mapped on first touch)")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="create the store with huge_pages=True (takes effect where /dev/shm is mounted "
+                         "with huge=advise: `mount -o remount,huge=advise /dev/shm`)")
     ap.add_argument("--profile", action="store_true",
                     help="one extra yrcache round under cProfile (trainer 0 and rollout 0 printed)")
     ap.add_argument("--json", metavar="OUT", help="also write every figure and raw sample to this JSON file")

@@ -79,12 +79,13 @@ class Settings:
     persist: bool | None
     pickle: bool
     prefault: bool
+    huge_pages: bool = False
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @classmethod
     def build(cls, *, dram=None, ssd=None, ssd_size=None, hbm=None, device=None, capacity=None,
               ratios=None, policy="spill", pickle=False, prefault=True, watermarks=(0.9, 0.8),
-              promote_after=2, persist=None) -> "Settings":
+              promote_after=2, persist=None, huge_pages=False) -> "Settings":
         """Validate the constructor's arguments (falling back on ``YRCACHE_*``)."""
         if policy not in ("spill", "cache"):
             raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
@@ -120,7 +121,7 @@ class Settings:
                    ssd=os.path.abspath(os.path.expanduser(os.fspath(ssd))) if ssd is not None else None,
                    ssd_size=ssd_b, hbm=hbm_b or 0, device=device, policy=policy, high=high, low=low,
                    promote_after=int(promote_after), persist=persist, pickle=bool(pickle),
-                   prefault=bool(prefault))
+                   prefault=bool(prefault), huge_pages=bool(huge_pages))
 
     def check_room(self, shm_dir: str) -> None:
         """Refuse a DRAM tier larger than the free space of ``shm_dir`` (early, clear)."""
@@ -137,7 +138,7 @@ class Settings:
         """What every process of the store reads back from the arena."""
         return {"ssd": self.ssd, "ssd_size": self.ssd_size, "policy": self.policy, "high": self.high,
                 "low": self.low, "promote_after": self.promote_after, "hbm": self.hbm,
-                "persist": bool(self.persist), "id": self.id}
+                "persist": bool(self.persist), "huge_pages": self.huge_pages, "id": self.id}
 
 
 def default_device() -> str:

@@ -45,6 +45,24 @@ class TieredStore(StoreOps, MutableMapping):
     process on the node.  A store pickles as its name, so passing it to a
     ``multiprocessing`` child attaches there.
 
+    Arguments (sizes are ints or strings such as ``"2GiB"``; ``YRCACHE_*``
+    environment variables fill in what is not given):
+
+    - ``dram``: the shared-memory arena; ``ssd``/``ssd_size``: a directory
+      and its budget for the SSD tier; ``hbm``/``device``: GPU memory for
+      the HBM tier; or ``capacity`` split by ``ratios`` (HBM, DRAM, SSD).
+    - ``policy``: ``"spill"`` (move cold objects down, ``StoreFullError``
+      when nothing fits) or ``"cache"`` (drop them); ``watermarks``: the
+      (high, low) fill fractions between which a tier spills;
+      ``promote_after``: reads of a lower-tier object before it moves up.
+    - ``pickle``: store and read other Python objects (this process only
+      reads pickles when True); ``prefault``: map the whole arena now;
+      ``huge_pages``: ask for transparent huge pages (granted where
+      /dev/shm is mounted ``huge=advise``); ``persist``: keep the store
+      after its owner closes, until ``destroy()``.
+    - ``cluster``/``listen``/``replicas``/``write_mode``: cluster mode, not
+      built yet (``NotImplementedError``).
+
     >>> with TieredStore(dram="16MiB") as s:
     ...     s["x"] = np.arange(3)
     ...     s["x"].tolist()
@@ -57,7 +75,7 @@ class TieredStore(StoreOps, MutableMapping):
                  capacity: int | str | None = None, ratios: tuple[float, float, float] | None = None,
                  policy: str = "spill", pickle: bool = False, prefault: bool = True,
                  watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
-                 persist: bool | None = None,
+                 persist: bool | None = None, huge_pages: bool = False,
                  cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
                  write_mode: WriteMode | str | None = None, _attach: bool = False):
         self._arena: Arena | None = None
@@ -77,7 +95,8 @@ class TieredStore(StoreOps, MutableMapping):
             return
         st = Settings.build(dram=dram, ssd=ssd, ssd_size=ssd_size, hbm=hbm, device=device, capacity=capacity,
                             ratios=ratios, policy=policy, pickle=pickle, prefault=prefault,
-                            watermarks=watermarks, promote_after=promote_after, persist=persist)
+                            watermarks=watermarks, promote_after=promote_after, persist=persist,
+                            huge_pages=huge_pages)
         st.check_room(SHM_DIR)
         device_tier = None
         if st.hbm:
@@ -85,7 +104,7 @@ class TieredStore(StoreOps, MutableMapping):
 
             device_tier = DeviceTier(st.device or default_device(), st.hbm)   # validates device= first
         self.name = check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        arena = Arena(self.name, create=True, size=st.dram, prefault=st.prefault)
+        arena = Arena(self.name, create=True, size=st.dram, prefault=st.prefault, huge_pages=st.huge_pages)
         adopted = not arena.created
         self._arena = arena
         try:
@@ -118,6 +137,8 @@ class TieredStore(StoreOps, MutableMapping):
 
     def _configure(self, config: dict) -> None:
         a = self._arena
+        if config.get("huge_pages") and not a.huge_pages:
+            a.advise_huge()            # this process's mapping too (the pages are shared)
         policy = Policy(config.get("high", 0.9), config.get("low", 0.8), config.get("promote_after", 2))
         if config.get("ssd"):
             from .tiers.disk import DiskTier

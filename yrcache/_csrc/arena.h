@@ -237,4 +237,8 @@ int  yr_populate_write(void *addr, uint64_t size);
 /* map the (existing) pages of a range now, for reading or writing (one
  * madvise), rather than one fault per 4 KiB page as a copy touches them */
 int  yr_populate(void *addr, uint64_t n, int write);
+/* ask for transparent huge pages on the mapping (MADV_HUGEPAGE): the kernel
+ * gives them where the tmpfs holding the segment is mounted with huge=advise
+ * (or within_size, always); 0, or -errno */
+int  yr_advise_huge(void *addr, uint64_t size);
 void yr_memcpy(void *dst, const void *src, uint64_t n);

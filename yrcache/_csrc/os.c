@@ -112,6 +112,10 @@ static void stream_copy(char *d, const char *s, uint64_t n) {
 static void stream_copy(char *d, const char *s, uint64_t n) { memcpy(d, s, n); }
 #endif
 
+int yr_advise_huge(void *addr, uint64_t size) {
+    return madvise(addr, size, MADV_HUGEPAGE) == 0 ? 0 : -errno;
+}
+
 int yr_populate(void *addr, uint64_t n, int write) {
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22

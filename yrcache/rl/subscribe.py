@@ -38,6 +38,7 @@ class _Plan(NamedTuple):
     plan: np.ndarray
     used: tuple          # part ids the plan reads
     ops: tuple           # (part, src_off, dst_off, run, rows, src_stride, dst_stride)
+    nbytes: int          # bytes the plan copies
 
 
 def _compile(shape: tuple, plan: np.ndarray) -> _Plan:
@@ -59,7 +60,7 @@ def _compile(shape: tuple, plan: np.ndarray) -> _Plan:
                 continue
         ops.append((pid[i], so[i], do[i], n[i], 1, 0, 0))
         i += 1
-    return _Plan(shape, plan, tuple(sorted(set(pid))), tuple(ops))
+    return _Plan(shape, plan, tuple(sorted(set(pid))), tuple(ops), plan_nbytes(plan))
 
 
 def _run_plan(p: _Plan, srcs: list, dst: np.ndarray) -> None:
@@ -335,9 +336,8 @@ class WeightSubscriber:
         with _progress(needed, f"{self.name} v{version}") as bar:
             for t in targets:
                 out[t.name] = self._gather(t, bufs, into.get(t.name), dtype, stager)
-                n = plan_nbytes(t.plan.plan)
-                copied += n
-                bar.update(n)
+                copied += t.plan.nbytes
+                bar.update(t.plan.nbytes)
             stager.flush()
         if pin:
             self._pinned = stager.buf

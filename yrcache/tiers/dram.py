@@ -32,7 +32,8 @@ C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.
 ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
 MIN_SIZE = lib.yr_arena_min_size()
 
-ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "too many live views",
+ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "no room left for the pin of another "
+          "view; drop references to values you no longer need (each view pins its object)",
           lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
           lib.YR_ENOPROCS: "too many attached processes", lib.YR_ELOCK: "the arena lock is unrecoverable",
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
@@ -62,8 +63,11 @@ class ScanRec(NamedTuple):
     flags: int
 
 
-def _scanrec(r) -> ScanRec:
-    return ScanRec(*(getattr(r, f) for f in ScanRec._fields))
+def _records(recs, keys, kbuf: int, n: int) -> list[tuple[ScanRec, str]]:
+    """(record, key) of the first ``n`` ``yr_scanrec``s of a scan or drain."""
+    raw = ffi.buffer(keys, kbuf)
+    return [(ScanRec(*(getattr(r, f) for f in ScanRec._fields)), raw[r.key_pos:r.key_pos + r.klen].decode())
+            for r in (recs[i] for i in range(n))]
 
 
 class Reservation:
@@ -177,7 +181,8 @@ class Arena:
     """
 
     def __init__(self, name: str, *, create: bool = False, size: int = 0,
-                 prefault: bool = True, nprocs: int = 1024, npins: int | None = None):
+                 prefault: bool = True, huge_pages: bool = False, nprocs: int = 1024,
+                 npins: int | None = None):
         self.name = check_name(name)
         self.path = seg_path(name)
         self._lock = threading.Lock()
@@ -188,6 +193,7 @@ class Arena:
         self._slot = 0
         self.pid = 0
         self.prefaulted = bool(prefault)
+        self.huge_pages = bool(huge_pages)
         fd, self.created = open_segment(name, create, size)
         self._fd = fd
         try:
@@ -195,10 +201,8 @@ class Arena:
             check_trusted(st, self.path)
             self.size = st.st_size
             self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
-            # tmpfs: a first-touch write costs ~10x a write to a resident page,
-            # so the creator faults the whole arena in once, here, not on the
-            # put path.  An attacher may map every page up front too (about
-            # 0.14 s per GiB), sparing it a ~1 us fault per page it touches.
+            # tmpfs: a first-touch write costs ~10x a write to a resident page, so the creator
+            # faults the arena in once, here; an attacher may map it up front (~0.14 s per GiB).
             self.base = self._map_new(prefault) if self.created else lib.yr_map(fd, self.size, int(prefault))
             if self.base == ffi.NULL:
                 raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
@@ -234,11 +238,15 @@ class Arena:
     def _map_new(self, prefault: bool):
         """Map a new segment with all its memory given to it now, so that an
         over-committed /dev/shm fails here with StoreFullError, not later
-        with SIGBUS at the first write (tmpfs allocates pages lazily)."""
-        if prefault:
+        with SIGBUS at the first write (tmpfs allocates pages lazily).  Huge
+        pages are asked for before the pages are made, through the mapping
+        (fallocate would make small ones)."""
+        if prefault or self.huge_pages:
             base = lib.yr_map(self._fd, self.size, 0)
             if base == ffi.NULL:
                 return base
+            if self.huge_pages:
+                lib.yr_advise_huge(base, self.size)
             rc = lib.yr_populate_write(base, self.size)
             if rc == 0:
                 return base
@@ -372,6 +380,15 @@ class Arena:
             lib.yr_populate(self.cbase + poff[0], alloc, 1)
         return Reservation(self, off, poff[0], alloc)
 
+    def advise_huge(self) -> bool:
+        """Ask for transparent huge pages on this mapping (``MADV_HUGEPAGE``);
+        True if the kernel took the advice.  It backs the segment with
+        them only where /dev/shm is mounted with ``huge=advise`` (or
+        ``within_size``/``always``); the sysfs ``shmem_enabled`` knob does
+        not govern /dev/shm."""
+        self.huge_pages = lib.yr_advise_huge(self.base, self.size) == 0
+        return self.huge_pages
+
     def populate(self, addr: int, nbytes: int, write: bool = False) -> bool:
         """Map the pages of ``[addr, addr + nbytes)`` now if they lie in this
         arena and this mapping was not prefaulted; True if it did."""
@@ -415,9 +432,6 @@ class Arena:
         rc = lib.yr_get(self.base, self.slot, kb, len(kb), flags, info)
         if rc == lib.YR_ENOTFOUND:
             return None
-        if rc == lib.YR_ENOPINS:
-            raise YrcacheError(f"store {self.name!r} has no room left for the pin of another view; "
-                               "drop references to values you no longer need (each view pins its object)")
         check(rc, "get")
         return info
 
@@ -427,9 +441,6 @@ class Arena:
         infos = ffi.new("yr_objinfo[]", n)
         found = ffi.new("int32_t[]", n)
         rc = lib.yr_mget(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, flags, infos, found)
-        if rc == lib.YR_ENOPINS:
-            raise YrcacheError(f"store {self.name!r} has no room left for the pins of more views; "
-                               "drop references to values you no longer need")
         check(rc, "mget")
         return infos, found
 
@@ -447,9 +458,6 @@ class Arena:
             return info, None
         if rc == lib.YR_ENOTFOUND:
             return None
-        if rc == lib.YR_ENOPINS:
-            raise YrcacheError(f"store {self.name!r} has no room left for the pin of another view; "
-                               "drop references to values you no longer need (each view pins its object)")
         check(rc, "read")
 
     @staticmethod
@@ -552,10 +560,7 @@ class Arena:
                 keys = ffi.new("char[]", kbuf)
                 continue
             check(n, "scan")
-            raw = ffi.buffer(keys, kbuf)
-            batch = [(_scanrec(recs[i]), raw[recs[i].key_pos:recs[i].key_pos + recs[i].klen].decode())
-                     for i in range(n)]
-            yield from batch   # copied out: the buffers are reused for the next batch
+            yield from _records(recs, keys, kbuf, n)   # copied out: the buffers are reused
             if cursor[0] == 0:
                 return
 
@@ -569,9 +574,7 @@ class Arena:
         out = []
         while True:
             n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
-            raw = ffi.buffer(keys, 256 * 1024)
-            out += [(_scanrec(recs[i]), raw[recs[i].key_pos:recs[i].key_pos + recs[i].klen].decode())
-                    for i in range(n)]
+            out += _records(recs, keys, 256 * 1024, n)
             if n < 256:
                 return out
 
