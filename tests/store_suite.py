@@ -652,6 +652,21 @@ class StoreSuite:
         assert store.mget(k for k in ["d"])[0].tobytes() == b"4"
         assert len(store) == 5
 
+    def test_mget_of_many_small_values_beside_large_ones(self, store):
+        small = {f"s{i:02d}": np.full(700, i, np.float32) for i in range(40)}   # ~110 KiB in all
+        store.mset(small)
+        store.mset({"big": b"L" * LARGE, "t": b"tiny"})
+        names = ["big"] + list(small) + ["missing", "t", "s00"]
+        got = store.mget(names)
+        assert got[0].tobytes() == b"L" * LARGE
+        for name, v in zip(small, got[1:41]):
+            np.testing.assert_array_equal(v, small[name])
+            assert not v.flags.writeable
+        assert got[41] is None and got[42].tobytes() == b"tiny"
+        np.testing.assert_array_equal(got[43], small["s00"])
+        store["s01"] = np.zeros(700, np.float32)         # what was read stays as it was
+        np.testing.assert_array_equal(got[2], small["s01"])
+
     def test_mget_copy(self, store):
         store.mset({"a": np.arange(4), "b": b"xy"})
         a, b, c = store.mget(["a", "b", "c"], copy=True)

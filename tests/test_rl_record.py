@@ -4,6 +4,7 @@ of interleaved publishers (issue "RL weight sync at node scale")."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from yrcache import TieredStore
-from yrcache.rl import WeightPublisher, WeightSubscriber
+from yrcache.rl import Shard, WeightPublisher, WeightSubscriber, subscribe
 from yrcache.rl.board import VersionBoard
 from procs import finish, kill_and_join, start, wait_or_die
 
@@ -111,6 +112,53 @@ def test_retire_deletes_the_parts_of_old_versions_only(make_store):
     np.testing.assert_array_equal(sub.fetch(5)["w"], np.full(256, 5, np.float32))
 
 
+# ----------------------------------------------------------- fetch plans
+
+
+def test_new_versions_of_an_unchanged_model_reuse_the_plan_made_while_idle(make_store, monkeypatch):
+    store = make_store()
+    pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
+    sub = WeightSubscriber(store, "policy")
+    planned = []
+    real = subscribe.decode_structure
+    monkeypatch.setattr(subscribe, "decode_structure", lambda raw: planned.append(raw) or real(raw))
+
+    def publish(v):
+        full = np.arange(64, dtype=np.float32).reshape(8, 8) + v
+        for r, p in enumerate(pubs):
+            p.publish({"w": full[4 * r:4 * r + 4], "b": np.arange(3) + v}, version=v,
+                      layout={"w": Shard(0, r, 2)})
+        return full
+
+    publish(1)
+    with pytest.raises(TimeoutError):
+        sub.wait(newer_than=1, timeout=0.05)         # idle: plans a whole fetch of version 1
+    assert len(planned) == 1
+    for v in range(2, 6):                            # every version has new part keys (nonces)
+        full = publish(v)
+        got = sub.fetch(sub.wait(newer_than=v - 1, timeout=5))
+        np.testing.assert_array_equal(got["w"], full)
+        np.testing.assert_array_equal(got["b"], np.arange(3) + v)
+        sliced = sub.fetch(v, layout={"w": Shard(1, 1, 2)})
+        np.testing.assert_array_equal(sliced["w"], full[:, 4:])
+    assert len(planned) == 2                         # one per layout, none per version
+
+
+def test_a_changed_model_gets_a_new_plan(make_store):
+    store = make_store()
+    pub = WeightPublisher(store, "policy", keep=3)
+    sub = WeightSubscriber(store, "policy")
+    pub.publish(state(1), version=1)
+    assert sub.fetch(1)["w"].shape == (256,)
+    pub.publish(state(2, 300), version=2)                              # a resized tensor
+    pub.publish({**state(3), "extra": np.arange(5)}, version=3)       # one more tensor
+    got2, got3, got1 = sub.fetch(2), sub.fetch(3), sub.fetch(1)
+    np.testing.assert_array_equal(got2["w"], state(2, 300)["w"])
+    assert sorted(got3) == ["b", "extra", "w"] and got3["extra"].tolist() == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(got1["w"], state(1)["w"])
+    np.testing.assert_array_equal(sub.fetch(2, layout={"w": Shard(0, 1, 2)})["w"], state(2, 300)["w"][150:])
+
+
 # --------------------------------------------------------------- crashes
 
 
@@ -130,8 +178,8 @@ def _rank_dies(name, rank, version, where):
     elif where == "completing: after the marker":
         real = VersionBoard.complete
 
-        def marker_then_die(self, version, marker=None, wake=True):
-            self.store.put(self._complete_key(version), b'{"world": 2}')
+        def marker_then_die(self, version, marker=None, structure=b"", wake=True):
+            self.store.put(self._complete_key(version), json.dumps(marker).encode() + b"\n" + structure)
             os.kill(os.getpid(), signal.SIGKILL)
         VersionBoard.complete = marker_then_die
     pub.publish(state(version), version=version)
@@ -164,6 +212,7 @@ def test_a_rank_killed_mid_publish(make_store, store_name, where):
     else:                             # the marker without the record: republishing repairs it
         assert fresh.publish(state(2), version=2) is True
     assert sub.latest() == 2
+    np.testing.assert_array_equal(sub.fetch(2)["w"], state(2)["w"])
     for v in (3, 4):
         pubs[0].publish(state(v), version=v)
         fresh.publish(state(v), version=v)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
+import numpy as np
 import pytest
 
 
@@ -52,3 +54,25 @@ class TestEmbeddedStore(StoreSuite):
             for n in left:
                 TieredStore.attach(n).destroy()
             assert not left, f"stores left behind in /dev/shm: {left}"
+
+    def test_mget_is_one_snapshot(self, store):
+        """DRAM values: ``mset`` and ``mget`` each take one lock hold, so a reader
+        never sees half of a batch (small values are copied out inside it)."""
+        store.mset({"a": np.zeros(64, np.int64), "b": np.zeros(64, np.int64)})
+        stop = threading.Event()
+
+        def writer():
+            i = 0
+            while not stop.is_set():
+                i += 1
+                store.mset({"a": np.full(64, i, np.int64), "b": np.full(64, i, np.int64)})
+
+        t = threading.Thread(target=writer)
+        t.start()
+        try:
+            for _ in range(2000):
+                a, b = store.mget(["a", "b"])
+                assert a[0] == b[0], "mget mixed two writes"
+        finally:
+            stop.set()
+            t.join()

@@ -327,7 +327,8 @@ class TieredStore(StoreOps, MutableMapping):
                 return default
             info, small = got
             if small is not None:      # a small DRAM value, copied out (no pin)
-                value = self._small_value(small, info, key)
+                mlen = info.meta_len
+                value = self._small_value(small[:mlen], memoryview(small)[mlen:], info.nbytes, key)
             else:
                 value = self._value(a, info, key)
             if value is not RETRY:
@@ -338,16 +339,13 @@ class TieredStore(StoreOps, MutableMapping):
                 raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept "
                                    "moving between tiers, or the process holding it in HBM does not answer")
 
-    def _small_value(self, raw: bytes, info, key: str) -> Any:
+    def _small_value(self, meta: bytes, body: memoryview, nbytes: int, key: str) -> Any:
         """The value of a small object copied out by a read: read-only, private."""
-        mlen = info.meta_len
-        meta = raw[:mlen]
         kind = meta[:1]
         if kind == b"P" and not self._pickle:
             raise self._no_pickle(key)
-        body = memoryview(raw)[mlen:]
         # A tensor needs writable memory (torch has no read-only tensors; see README).
-        return codec.decoder(meta)(bytearray(body) if kind == b"T" else body, info.nbytes)
+        return codec.decoder(meta)(bytearray(body) if kind == b"T" else body, nbytes)
 
     def __getitem__(self, key: str) -> Any:
         value = self.get(key, _MISSING)
@@ -361,14 +359,21 @@ class TieredStore(StoreOps, MutableMapping):
         kbs = [key_bytes(k) for k in keys]
         if not kbs:
             return []
-        infos, found = a.mget(kbs)
+        infos, found, copied = a.mread(kbs, small=self._hbm is None)
+        body = memoryview(copied)
         out: list[Any] = []
         try:
             for i, kb in enumerate(kbs):
-                out.append(self._value(a, infos[i], kb.decode()) if found[i] else None)
+                f, info = found[i], infos[i]
+                if f == 2:           # a small DRAM value, copied out (no pin)
+                    mo, po = info.meta_off, info.payload_off
+                    out.append(self._small_value(copied[mo:mo + info.meta_len], body[po:po + info.nbytes],
+                                                 info.nbytes, kb.decode()))
+                else:
+                    out.append(self._value(a, info, kb.decode()) if f else None)
         except BaseException:   # the failed one released its pin; release the rest
             for j in range(len(out) + 1, len(kbs)):
-                if found[j]:
+                if found[j] == 1:
                     a.unpin(infos[j].pin)
             raise
         out = [self.get(kbs[i].decode()) if v is RETRY else v for i, v in enumerate(out)]

@@ -13,7 +13,7 @@
  * HBM object to move it to DRAM */
 #define YR_FLAG_WANTED 1
 
-/* yr_get / yr_mget: take a pin (the caller reads the payload after the
+/* yr_get: take a pin (the caller reads the payload after the
  * call); a quiet look is no read (no access count, no hit or miss) */
 #define YR_PIN    1
 #define YR_QUIET  2
@@ -184,9 +184,13 @@ int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags
  * Returns 1 when it copied, 0 when it pinned. */
 int  yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
              uint32_t cap);
-/* a batch under one lock hold; keys packed back to back, lengths in klens */
-int  yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
-             int flags, yr_objinfo *out, int32_t *found);
+/* a batch of reads under one lock hold (keys packed back to back, lengths in
+ * klens): found[i] is 0 (missing), 1 (pinned, as yr_read) or 2 (a DRAM object whose header and payload fit in `small`
+ * bytes, copied into buf while room remains: its header at out[i].meta_off,
+ * its payload at out[i].payload_off, 64-byte aligned, both offsets into buf);
+ * returns how many bytes of buf it used, or an error */
+int  yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
+              yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small);
 /* a quiet look that copies the codec header out (no pin needed) */
 int  yr_peek(void *base, const char *key, uint32_t klen, yr_objinfo *out, char *meta,
              uint32_t metacap);

@@ -258,25 +258,40 @@ int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinf
     return r;
 }
 
-int yr_mget(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
-            int flags, yr_objinfo *out, int32_t *found) {
+int yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
+             yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small) {
     hdr_t *h = H(base);
     double now = now_realtime();
     if (lock(h)) return YR_ELOCK;
-    int hits = 0, err = 0;
+    int err = 0;
+    uint64_t used = 0;
     for (uint32_t i = 0; i < n; i++) {
-        int r = get_locked(h, slot, keys, klens[i], flags, now, &out[i]);
-        if (r == YR_ENOPINS) {  /* undo the pins taken so far */
-            for (uint32_t j = 0; j < i; j++) if (found[j]) unpin_locked(h, out[j].pin);
-            err = r;
-            break;
-        }
-        found[i] = r == YR_OK;
-        hits += found[i];
+        int r = get_locked(h, slot, keys, klens[i], 0, now, &out[i]);
         keys += klens[i];
+        found[i] = 0;
+        if (r != YR_OK) continue;
+        blk_t *b = AT(h, out[i].block_off);
+        uint64_t at = (used + b->mlen + 63) & ~(uint64_t)63;      /* the payload 64-byte aligned */
+        if (TIER_OF(b) == YR_TIER_DRAM && b->mlen + b->nbytes <= small && at + b->nbytes <= cap) {
+            memcpy(buf + at - b->mlen, KEY(b) + b->klen, b->mlen);
+            memcpy(buf + at, (char *)b + b->payload_rel, b->nbytes);
+            out[i].meta_off = at - b->mlen;
+            out[i].payload_off = at;
+            used = at + b->nbytes;
+            found[i] = 2;
+        } else {
+            int p = pin_locked(h, slot, out[i].block_off);
+            if (p < 0) {            /* undo the pins taken so far */
+                for (uint32_t j = 0; j < i; j++) if (found[j] == 1) unpin_locked(h, out[j].pin);
+                err = p;
+                break;
+            }
+            out[i].pin = (uint32_t)p;
+            found[i] = 1;
+        }
     }
     unlock(h);
-    return err ? err : hits;
+    return err ? err : (int)used;
 }
 
 int yr_peek(void *base, const char *key, uint32_t klen, yr_objinfo *out, char *meta,

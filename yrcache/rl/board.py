@@ -25,7 +25,7 @@ from .reshard import Part, publish_parts, replicated_parts
 
 #: Keys under this prefix belong to ``yrcache.rl``.
 RESERVED_PREFIX = "__rl__/"
-FORMAT = 1
+FORMAT = 2          # of manifests and completion markers
 
 
 def _check_name(name: Any) -> str:
@@ -97,15 +97,18 @@ class VersionBoard:
         self.store.put(self._manifest_key(version, rank),
                        json.dumps(manifest, separators=(",", ":")).encode())
 
-    def complete(self, version: int, marker: dict | None = None, wake: bool = True) -> None:
-        """Make ``version`` visible: write its marker (when given), then advance
+    def complete(self, version: int, marker: dict | None = None, structure: bytes = b"",
+                 wake: bool = True) -> None:
+        """Make ``version`` visible: write its marker (when given: a JSON header
+        line, then the ``structure`` from ``encode_structure``), then advance
         the record (one compare-and-set, no scan), then wake every waiter
         (unless the caller wakes them later, once it has nothing left to do).
         Idempotent: a process that died in between is repaired by the next
         rank that completes the version (or any later one); a lost wake-up
         delays waiters by at most a second (``wait`` re-reads the record)."""
         if marker is not None:
-            self.store.put(self._complete_key(version), json.dumps(marker, separators=(",", ":")).encode())
+            self.store.put(self._complete_key(version),
+                           json.dumps(marker, separators=(",", ":")).encode() + b"\n" + structure)
         _raise_to(self.wake_word, version + 1)
         if wake:
             self.wake()
@@ -127,18 +130,30 @@ class VersionBoard:
         raw = self.store.mget([self._manifest_key(version, r) for r in range(world)])
         return [None if b is None else json.loads(bytes(b)) for b in raw]
 
+    def is_complete(self, version: int) -> bool:
+        """Whether ``version`` has its completion marker (one lookup, nothing read)."""
+        return self._complete_key(version) in self.store
+
     def completion(self, version: int) -> dict | None:
-        """The completion marker of ``version``, or None when it is not (or no longer) visible."""
+        """The completion marker of ``version`` (its ``"structure"`` as bytes), or
+        None when it is not (or no longer) visible."""
         raw = self.store.get(self._complete_key(version))
-        return None if raw is None else json.loads(bytes(raw))
+        if raw is None:
+            return None
+        head, _, structure = bytes(raw).partition(b"\n")
+        marker = json.loads(head.decode())
+        marker["structure"] = structure
+        return marker
 
     def complete_versions(self) -> list[int]:
         """Every visible version, ascending (a listing of their markers only)."""
         return self._listed("complete/")
 
-    def versions(self) -> list[int]:
-        """Every version with anything stored (complete, in flight or abandoned), ascending."""
-        return sorted(set(self._listed("started/")) | set(self._listed("complete/")))
+    def versions(self, complete: list[int] | None = None) -> list[int]:
+        """Every version with anything stored (complete, in flight or abandoned),
+        ascending; ``complete``: ``complete_versions()`` when the caller has it."""
+        done = self._listed("complete/") if complete is None else complete
+        return sorted(set(self._listed("started/")) | set(done))
 
     def latest(self) -> int | None:
         """The newest visible version, or None: one atomic load of the record."""
@@ -189,19 +204,23 @@ def _raise_to(word, value: int) -> None:
             return
 
 
-def encode_info(info: dict[str, "_Tensor"]) -> dict:
-    """The merged description of a version, as JSON for its completion marker:
-    subscribers read one marker instead of every rank's manifest."""
-    return {name: [t.kind, t.dtype, t.itemsize, list(t.shape),
-                   [[p.rank, p.dim, p.offset, list(p.shape)] for p in t.parts], list(t.keys)]
-            for name, t in info.items()}
+def encode_structure(info: dict[str, "_Tensor"]) -> bytes:
+    """The merged description of a version (global shapes, dtypes, parts) as
+    compact JSON, for its completion marker: subscribers read one marker
+    instead of every rank's manifest.  It names no key (a part's key follows
+    from the version, the part's rank and that rank's nonce), so it is the
+    same bytes for every version of an unchanged model, and a subscriber
+    reuses what it compiled from it."""
+    return json.dumps({name: [t.kind, t.dtype, t.itemsize, list(t.shape),
+                              [[p.rank, p.dim, p.offset, list(p.shape)] for p in t.parts]]
+                       for name, t in info.items()}, separators=(",", ":")).encode()
 
 
-def decode_info(doc: dict) -> dict[str, "_Tensor"]:
-    """The inverse of ``encode_info``."""
+def decode_structure(raw: bytes) -> dict[str, "_Tensor"]:
+    """The inverse of ``encode_structure``."""
     return {name: _Tensor(kind, dtype, itemsize, tuple(shape),
-                          tuple(Part(r, d, o, tuple(ps)) for r, d, o, ps in parts), tuple(keys))
-            for name, (kind, dtype, itemsize, shape, parts, keys) in doc.items()}
+                          tuple(Part(r, d, o, tuple(ps)) for r, d, o, ps in parts))
+            for name, (kind, dtype, itemsize, shape, parts) in json.loads(raw).items()}
 
 
 class _Tensor(NamedTuple):
@@ -211,8 +230,7 @@ class _Tensor(NamedTuple):
     dtype: str           # stored dtype: torch name ("bfloat16") or numpy str ("<f4")
     itemsize: int
     shape: tuple
-    parts: tuple         # tuple[Part, ...]
-    keys: tuple          # store key of each part
+    parts: tuple         # tuple[Part, ...]: one per rank, or rank 0's alone when replicated
 
 
 def _dtype_itemsize(kind: str, dtype: str) -> int:
@@ -259,8 +277,7 @@ def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -
                         f"{tuple(e['shape'])} on rank {r} but {tuple(e0['shape'])} on rank 0; "
                         "pass a Shard layout if it is split")
             shape = tuple(e0["shape"])
-            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, shape,
-                             tuple(replicated_parts(shape)), (e0["key"],))
+            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, shape, tuple(replicated_parts(shape)))
         else:
             missing = [r for r, e in entries if e is None]
             if missing:
@@ -270,8 +287,7 @@ def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -
             parts = publish_parts(shapes, e0["dim"])
             gshape = list(shapes[0])
             gshape[e0["dim"]] = sum(s[e0["dim"]] for s in shapes)
-            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, tuple(gshape), tuple(parts),
-                             tuple(e["key"] for _, e in entries))
+            out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, tuple(gshape), tuple(parts))
     return out
 
 

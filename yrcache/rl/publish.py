@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .board import FORMAT, VersionBoard, encode_info, merge_manifests
+from .board import FORMAT, VersionBoard, encode_structure, merge_manifests
 from .reshard import Shard
 
 __all__ = ["WeightPublisher"]
@@ -191,9 +191,9 @@ class WeightPublisher:
                     entry["key"] = key
                     nbytes += src.nbytes
                 tensors[t] = entry
-            self.board.record_rank(version, self.rank, {
-                "format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
-                "world": self.world, "nonce": nonce, "tensors": tensors})
+            manifest = {"format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
+                        "world": self.world, "nonce": nonce, "tensors": tensors}
+            self.board.record_rank(version, self.rank, manifest)
         except BaseException:
             for k in written:
                 self.store.delete(k)
@@ -201,9 +201,10 @@ class WeightPublisher:
         # Again now that our manifest is there: of two ranks racing, the later one sees
         # the other.  Nothing is rolled back (peers of our world may already have read
         # our manifest); the parts go when a newer version retires this one.
-        self._check_world(version)
+        if self.world > 1:       # (with world=1 the version completes now: a late rank of
+            self._check_world(version)   # another world finds it complete and stops there)
         self.last_version = version
-        visible = self._try_complete(version)
+        visible = self._try_complete(version, manifest)
         latest = self.board.latest()
         for v in sorted(self._pending):     # an earlier version whose last rank died after its manifest
             try:
@@ -244,19 +245,21 @@ class WeightPublisher:
                     "weight set must pass the same world: fix the misconfigured rank, or publish a newer "
                     "version if that manifest is left over from an earlier run")
 
-    def _try_complete(self, version: int) -> bool:
-        """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim."""
-        if self.board.completion(version) is not None:
+    def _try_complete(self, version: int, mine: dict | None = None) -> bool:
+        """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim.
+        ``mine``: this rank's manifest of it, when it was just written."""
+        if self.board.is_complete(version):
             self.board.complete(version, wake=False)   # repairs the record if its completer died
             self._woke_nobody = True
             return True
-        manifests = self.board.rank_manifests(version, self.world)
+        manifests = [mine] if mine is not None and self.world == 1 else \
+            self.board.rank_manifests(version, self.world)
         if any(m is None for m in manifests):
             return False
         info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
-        self.board.complete(version, {"version": version, "world": self.world, "keep": self.keep,
-                                      "nonces": [m["nonce"] for m in manifests],
-                                      "tensors": encode_info(info)}, wake=False)
+        self.board.complete(version, {"format": FORMAT, "version": version, "world": self.world,
+                                      "keep": self.keep, "nonces": [m["nonce"] for m in manifests]},
+                            encode_structure(info), wake=False)
         self._woke_nobody = True
         self._reclaim()
         return True
@@ -266,7 +269,7 @@ class WeightPublisher:
         if len(done) <= self.keep:
             return
         threshold = done[-self.keep]
-        for v in self.board.versions():
+        for v in self.board.versions(done):
             if v < threshold:
                 self.board.retire(v)
 

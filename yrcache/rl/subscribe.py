@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .board import VersionBoard, _Tensor, decode_info, merge_manifests
+from .board import FORMAT, VersionBoard, _Tensor, decode_structure
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
 
@@ -89,9 +89,22 @@ class _Target(NamedTuple):
     kind: str
     dtype: str
     itemsize: int
+    floating: bool
     shape: tuple
     plan: _Plan
-    keys: tuple          # key of each part id in the plan
+    slots: tuple         # per part id of the plan: its index in _Compiled.refs (-1: not read)
+
+
+class _Compiled(NamedTuple):
+    """A fetch planned for one version structure and one layout.  Versions of
+    an unchanged model share the structure, so each new version costs a
+    marker read, one ``mget`` and the copies."""
+
+    targets: tuple       # _Target, ...
+    names: frozenset     # of the targets
+    refs: tuple          # (tensor, rank) of every stored part the fetch reads, once each
+    needed: int          # bytes of the result, in the stored dtypes
+    version_bytes: int   # bytes of everything stored for a version
 
 
 def _src_bytes(view: Any) -> np.ndarray:
@@ -171,8 +184,9 @@ class WeightSubscriber:
         self.store, self.name = store, name
         self.board = VersionBoard(store, name)
         self.last_fetch_stats: dict = {}
-        self._infos: OrderedDict = OrderedDict()   # version -> (marker, merged tensors)
+        self._compiled: OrderedDict = OrderedDict()   # (structure, layout) -> _Compiled
         self._pinned = None                         # reused pinned staging bucket (device into=)
+        self._prepared = False                      # wait() planned a fetch while idle
         self._lock = threading.Lock()
 
     def __reduce__(self):
@@ -218,30 +232,54 @@ class WeightSubscriber:
             if left is not None and left <= 0:
                 raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
                                    f"{timeout} s (latest complete: {latest})")
+            if latest is not None and not self._prepared:
+                self._prepare(latest)            # idle time: plan a fetch before sleeping
+                continue                         # (re-check: a version may have completed meanwhile)
             # Sleep in slices of at most 1 s: a publisher that died between its marker and
             # its wake-up cannot strand us (no busy polling either way).
             self.board.wait_change(seen, 1.0 if left is None else min(left, 1.0))
 
-    def _info(self, version: int) -> dict[str, _Tensor]:
+    def _prepare(self, version: int) -> None:
+        """Plan a whole-state fetch of ``version`` once, while ``wait`` would sleep anyway.
+
+        The next version of an unchanged model reuses the plan, and a process's
+        first plan is its slow one (first touches of code and data; after a
+        fork, copy-on-write faults): this takes that cost off the wake-up path.
+        """
+        self._prepared = True
+        try:
+            self._compile(self._marker(version)["structure"], None, version)
+        except (KeyError, ValueError, TypeError):
+            pass                                 # retired meanwhile, or unreadable: fetch() will say
+
+    def _marker(self, version: int) -> dict:
         marker = self.board.completion(version)
         if marker is None:
             raise KeyError(self._gone(version))
+        if marker.get("format") != FORMAT:
+            raise ValueError(f"version {version} of {self.name!r} was published by another version of "
+                             f"yrcache (format {marker.get('format')}, this one reads {FORMAT}); "
+                             "run publishers and subscribers on the same yrcache")
+        return marker
+
+    def _compile(self, structure: bytes, layout, version: int) -> _Compiled:
+        """The fetch plan for ``layout`` over a version structure, cached."""
+        try:
+            ck = (structure, tuple(layout.items()) if isinstance(layout, Mapping) else layout)
+            hash(ck)
+        except TypeError:          # an unhashable layout entry: plan it every time (or refuse it)
+            ck = None
         with self._lock:
-            hit = self._infos.get(version)
-        if hit is not None and hit[0] == marker:
-            return hit[1]
-        if "tensors" in marker:          # the completing rank merged the manifests once for all
-            info = decode_info(marker["tensors"])
-        else:
-            manifests = self.board.rank_manifests(version, marker["world"])
-            if any(m is None for m in manifests) or [m["nonce"] for m in manifests] != marker["nonces"]:
-                raise KeyError(self._gone(version))
-            info = merge_manifests(manifests, self.name, version)
-        with self._lock:
-            self._infos[version] = (marker, info)
-            while len(self._infos) > 4:
-                self._infos.popitem(last=False)
-        return info
+            hit = self._compiled.get(ck) if ck is not None else None
+        if hit is not None:
+            return hit
+        c = self._targets(decode_structure(structure), layout, version)
+        if ck is not None:
+            with self._lock:
+                self._compiled[ck] = c
+                while len(self._compiled) > 8:
+                    self._compiled.popitem(last=False)
+        return c
 
     def _gone(self, version: int) -> str:
         latest = self.board.latest()
@@ -252,7 +290,7 @@ class WeightSubscriber:
         keep = m.get("keep", "?") if m else "?"
         return f"version {version} of {self.name!r} was reclaimed (keep={keep}); wait for a newer one"
 
-    def _targets(self, info: dict[str, _Tensor], layout, version: int) -> list[_Target]:
+    def _targets(self, info: dict[str, _Tensor], layout, version: int) -> _Compiled:
         if layout is None:
             layout = {}
         if not isinstance(layout, Mapping):
@@ -264,12 +302,22 @@ class WeightSubscriber:
                                f"(it has {sorted(info)[:20]})")
             return info[src]
 
+        refs: dict[tuple[str, int], int] = {}
+
+        def target(name: str, srcs: list[str], plan: _Plan) -> _Target:
+            parts = [(s, p.rank) for s in srcs for p in info[s].parts]   # the plan's part ids
+            slots = tuple(refs.setdefault(parts[i], len(refs)) if i in plan.used else -1
+                          for i in range(len(parts)))
+            t = info[srcs[0]]
+            floating = (getattr(_torch(), t.dtype).is_floating_point if t.kind == "torch"
+                        else np.dtype(t.dtype).kind == "f")
+            return _Target(name, t.kind, t.dtype, t.itemsize, floating, plan.shape, plan, slots)
+
         targets, consumed = [], set()
         for name, spec in layout.items():
             if spec is None or isinstance(spec, Shard):
                 t = get(name)
-                plan = _plan_one(t.shape, t.parts, spec, t.itemsize)
-                targets.append(_Target(name, t.kind, t.dtype, t.itemsize, plan.shape, plan, t.keys))
+                targets.append(target(name, [name], _plan_one(t.shape, t.parts, spec, t.itemsize)))
             elif isinstance(spec, Fused):
                 srcs = [get(s) for s in spec.sources]
                 if len({(s.kind, s.dtype) for s in srcs}) != 1:
@@ -277,17 +325,16 @@ class WeightSubscriber:
                                      f"{[s.dtype for s in srcs]}; fused sources must share one dtype")
                 plan = _plan_fused(spec, tuple((s, info[s].shape) for s in spec.sources),
                                    tuple((s, info[s].parts) for s in spec.sources), srcs[0].itemsize)
-                keys = tuple(k for s in srcs for k in s.keys)
-                targets.append(_Target(name, srcs[0].kind, srcs[0].dtype, srcs[0].itemsize, plan.shape, plan,
-                                       keys))
+                targets.append(target(name, list(spec.sources), plan))
                 consumed.update(spec.sources)
             else:
                 raise TypeError(f"layout[{name!r}] must be a Shard, Fused or None, not {type(spec).__name__}")
         for name, t in info.items():
             if name not in layout and name not in consumed:
-                plan = _plan_one(t.shape, t.parts, None, t.itemsize)
-                targets.append(_Target(name, t.kind, t.dtype, t.itemsize, plan.shape, plan, t.keys))
-        return targets
+                targets.append(target(name, [name], _plan_one(t.shape, t.parts, None, t.itemsize)))
+        return _Compiled(tuple(targets), frozenset(t.name for t in targets), tuple(refs),
+                         sum(math.prod(t.shape) * t.itemsize for t in targets),
+                         sum(math.prod(t.shape) * t.itemsize for t in info.values()))
 
     def fetch(self, version: int, layout: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None,
               dtype: Any = None) -> dict[str, Any]:
@@ -304,38 +351,38 @@ class WeightSubscriber:
         """
         t0 = time.perf_counter()
         version = _check_version(version)
-        info = self._info(version)
-        targets = self._targets(info, layout, version)
-        into = dict(into or {})
-        names = {t.name for t in targets}
-        extra = [n for n in into if n not in names]
+        marker = self._marker(version)
+        c = self._compile(marker["structure"], layout, version)
+        into = dict(into) if into else {}
+        extra = [n for n in into if n not in c.names]
         if extra:
             raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
-                             f"{sorted(names)[:20]})")
-        keys = list(dict.fromkeys(t.keys[p] for t in targets for p in t.plan.used))
+                             f"{sorted(c.names)[:20]})")
+        nonces, part_key = marker["nonces"], self.board.part_key
+        keys = [part_key(version, rank, nonces[rank], tensor) for tensor, rank in c.refs]
         views = self.store.mget(keys)                  # one atomic, pinned snapshot
         if any(v is None for v in views):
             raise KeyError(self._gone(version))
-        bufs = {k: _src_bytes(v) for k, v in zip(keys, views)}
-        needed = sum(math.prod(t.shape) * t.itemsize for t in targets)
-        if needed >= PREFAULT_MIN_BYTES:
+        bufs = [_src_bytes(v) for v in views]
+        if c.needed >= PREFAULT_MIN_BYTES:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
-            spans: dict[str, list[int]] = {}
-            for t in targets:
+            spans: dict[int, list[int]] = {}
+            for t in c.targets:
                 for pid, so, _do, run, rows, ss, _ds in t.plan.ops:
                     lo, hi = so, so + (rows - 1) * ss + run
-                    sp = spans.setdefault(t.keys[pid], [lo, hi])
+                    sp = spans.setdefault(t.slots[pid], [lo, hi])
                     sp[0], sp[1] = min(sp[0], lo), max(sp[1], hi)
-            self.store.prefault(*(bufs[k][lo:hi] for k, (lo, hi) in spans.items()))
+            self.store.prefault(*(bufs[i][lo:hi] for i, (lo, hi) in spans.items()))
         copied = 0
         out: dict[str, Any] = {}
         pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
         reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
-        stager = _Stager(min(BUCKET_BYTES, -(-needed // 64) * 64 + 64 * len(targets)), pin, reuse)
-        with _progress(needed, f"{self.name} v{version}") as bar:
-            for t in targets:
-                out[t.name] = self._gather(t, bufs, into.get(t.name), dtype, stager)
+        stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
+        with _progress(c.needed, f"{self.name} v{version}") as bar:
+            for t in c.targets:
+                out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
+                                           into.get(t.name), dtype, stager)
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
             stager.flush()
@@ -343,17 +390,14 @@ class WeightSubscriber:
             self._pinned = stager.buf
         del views, bufs                                # drop the pins: reclaimable now
         self.last_fetch_stats = {
-            "version": version, "bytes_copied": copied, "bytes_needed": needed,
-            "bytes_version": sum(math.prod(t.shape) * t.itemsize for t in info.values()),
-            "parts": len(keys), "targets": len(targets), "seconds": time.perf_counter() - t0}
+            "version": version, "bytes_copied": copied, "bytes_needed": c.needed,
+            "bytes_version": c.version_bytes, "parts": len(keys), "targets": len(c.targets),
+            "seconds": time.perf_counter() - t0}
         return out
 
-    def _gather(self, t: _Target, bufs: dict, dst: Any, dtype: Any, stager: _Stager) -> Any:
-        srcs = [bufs.get(k) for k in t.keys]
-        floating = (getattr(_torch(), t.dtype).is_floating_point if t.kind == "torch"
-                    else np.dtype(t.dtype).kind == "f")
+    def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager) -> Any:
         want = None
-        if dtype is not None and floating:
+        if dtype is not None and t.floating:
             want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
         if dst is None:
             if t.kind == "torch":

@@ -159,6 +159,8 @@ _tls = threading.local()
 #: A DRAM object whose header and payload fit in this many bytes is copied out
 #: by a read instead of pinned: copying 4 KiB costs less than a pin and its release.
 SMALL_READ = 4096 + 256   # a 4 KiB value and its header
+#: Room for the small objects one ``mread`` copies out (larger batches pin the rest).
+MREAD_BYTES = 1 << 16
 #: A mapping that was not prefaulted maps the pages of a copy at least this big
 #: in one call first, instead of taking a fault per 4 KiB page during the copy.
 POPULATE_MIN = 1 << 20
@@ -170,7 +172,7 @@ def _scratch():
         return _tls.s
     except AttributeError:
         _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"),
-                  ffi.new("yr_objinfo *"), ffi.new("char[]", SMALL_READ))
+                  ffi.new("yr_objinfo *"), ffi.new("char[]", SMALL_READ), ffi.new("char[]", MREAD_BYTES))
         return _tls.s
 
 
@@ -186,9 +188,7 @@ class Arena:
         self.name = check_name(name)
         self.path = seg_path(name)
         self._lock = threading.Lock()
-        self.mapped = False
-        self.persist = False
-        self.attached_here = False
+        self.mapped = self.persist = self.attached_here = False
         self._fd = -1
         self._slot = 0
         self.pid = 0
@@ -435,14 +435,15 @@ class Arena:
         check(rc, "get")
         return info
 
-    def mget(self, kbs: list[bytes], flags: int = PIN) -> tuple[Any, Any]:
-        """Look several keys up in one lock hold: (infos, found flags)."""
+    def mread(self, kbs: list[bytes], small: bool = True) -> tuple[Any, Any, bytes]:
+        """Read several keys in one lock hold: (infos, found, copied), ``found[i]``
+        0 (missing), 1 (pinned, as ``get``) or 2 (a small DRAM object copied into
+        ``copied`` at ``infos[i].meta_off`` (header) and ``.payload_off``)."""
         n = len(kbs)
-        infos = ffi.new("yr_objinfo[]", n)
-        found = ffi.new("int32_t[]", n)
-        rc = lib.yr_mget(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, flags, infos, found)
-        check(rc, "mget")
-        return infos, found
+        infos, found, buf = ffi.new("yr_objinfo[]", n), ffi.new("int32_t[]", n), _scratch()[5]
+        used = check(lib.yr_mread(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, infos, found,
+                                  buf, MREAD_BYTES, SMALL_READ if small else 0), "mget")
+        return infos, found, ffi.unpack(buf, used) if used else b""
 
     def read(self, kb: bytes, small: bool = True) -> tuple[Any, bytes | None] | None:
         """A read of ``kb``: None when missing, else (info, copy) where ``copy``
