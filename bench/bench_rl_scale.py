@@ -11,6 +11,8 @@ Workloads (one run, medians; ``time.monotonic`` in every process):
   subscriber woken and to the last fetch done; the first version separately
   (every subscriber's first fetch reads and caches its manifests).  The
   subscribers report through a shared array, no queues on the clock.
+* the same fan-out with subscribers that only wake (no fetch): the floor the
+  wake-ups alone set on this machine.
 * ``publish()`` of a 4 KiB state with world=1 and no subscriber: the call.
 * ``keys(prefix)`` in a 1 GiB store holding 200k keys: a prefix with 10
   matches, and the longest stall a concurrent process's ``get`` sees while
@@ -52,7 +54,7 @@ def state(v: int) -> dict:
 
 # ----------------------------------------------------------------- fan-out
 
-def _subscriber(name: str, i: int, rounds: int, woke, fetched, ready) -> None:
+def _subscriber(name: str, i: int, rounds: int, woke, fetched, ready, fetch: bool) -> None:
     s = TieredStore.attach(name, prefault=True)
     sub = WeightSubscriber(s, "policy")
     cur = sub.latest()
@@ -60,15 +62,18 @@ def _subscriber(name: str, i: int, rounds: int, woke, fetched, ready) -> None:
     for r in range(rounds):
         v = sub.wait(newer_than=cur, timeout=60)
         woke[r * len(ready) + i] = time.monotonic()
-        got = sub.fetch(v)
-        assert got["w"][0] == v
+        if fetch:
+            got = sub.fetch(v)
+            assert got["w"][0] == v
         fetched[r * len(ready) + i] = time.monotonic()
         cur = v
     s.close()
 
 
-def fanout(nsubs: int, rounds: int, cleanup: U.Cleanup) -> dict:
-    name = f"ybench-fan-{nsubs}-{RUN_ID}"
+def fanout(nsubs: int, rounds: int, cleanup: U.Cleanup, fetch: bool = True) -> dict:
+    """Per version: publish() called -> every subscriber woken / done fetching
+    (``fetch=False``: the subscribers only wake, the floor of the fan-out)."""
+    name = f"ybench-fan-{nsubs}-{int(fetch)}-{RUN_ID}"
     s = TieredStore(name=name, dram="256MiB")
     cleanup.add(f"destroy {s.name}", s.destroy)
     pub = WeightPublisher(s, "policy", keep=2)
@@ -77,7 +82,7 @@ def fanout(nsubs: int, rounds: int, cleanup: U.Cleanup) -> dict:
     woke = ctx.RawArray("d", nsubs * rounds)
     fetched = ctx.RawArray("d", nsubs * rounds)
     ready = ctx.RawArray("b", nsubs)
-    procs = [ctx.Process(target=_subscriber, args=(name, i, rounds, woke, fetched, ready), daemon=True)
+    procs = [ctx.Process(target=_subscriber, args=(name, i, rounds, woke, fetched, ready, fetch), daemon=True)
              for i in range(nsubs)]
     for p in procs:
         p.start()
@@ -207,6 +212,10 @@ def build_rows(doc: dict, nkeys: int) -> list[dict]:
                         "<= 3x steady" if at64 else None,
                         (first["woken_last"] <= 3 * max(wl, 0.010) and first["fetched_last"] <= 3 * max(fl, 0.015))
                         if at64 else None))
+    for n, f in doc.get("wake_only", {}).items():
+        wl = float(np.median([r["woken_last"] for r in f["steady"]]))
+        rows.append(row(f"{n} subscribers that only wake (no fetch): last woken, the floor of the rows above",
+                        f"{wl * 1e3:.2f} ms"))
     if "publish" in doc:
         pub = doc["publish"]
         pm = float(np.median(pub))
@@ -242,16 +251,19 @@ def main(argv=None) -> int:
     print()
     print(U.environment_header(env))
     print(flush=True)
-    doc: dict = {"fanout": {}}
+    doc: dict = {"fanout": {}, "wake_only": {}}
     foreign_load = U.ForeignLoad()
     cleanup = U.Cleanup()
     interrupted, error = False, None
     t_start = time.monotonic()
     try:
+        # publish() first: the teardown of hundreds of subscriber processes keeps the
+        # kernel busy for a while after they exit
+        doc["publish"] = publish_cost(50 if args.quick else 200, cleanup)
         for n in subs:
             doc["fanout"][n] = fanout(n, rounds, cleanup)
             gc.collect()
-        doc["publish"] = publish_cost(50 if args.quick else 200, cleanup)
+        doc["wake_only"] = {subs[0]: fanout(subs[0], rounds, cleanup, fetch=False)}
         doc["keys"] = listings(nkeys, cleanup)
     except KeyboardInterrupt:
         interrupted = True
