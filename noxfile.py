@@ -1,4 +1,4 @@
-"""nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s bench``."""
+"""nox sessions: ``nox -s tests``, ``nox -s lint``, ``nox -s typecheck``, ``nox -s docs``, ``nox -s bench``."""
 
 import nox
 
@@ -24,8 +24,22 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package (mypy.ini)."""
+    session.install("-e", ".[typecheck]")
+    session.run("mypy", "yrcache", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml), warnings as errors."""
+    session.install("-e", ".[docs]")
+    session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session
 def bench(session: nox.Session) -> None:
     """All benchmarks; figures go to docs/benchmarks.md by hand, with the command."""
     session.install("-e", ".[all]")
-    for script in ("bench_store.py", "bench_tiers.py", "bench_rl_sync.py", "gpu_check.py"):
+    for script in ("bench_store.py", "bench_tiers.py", "bench_rl_sync.py", "bench_rl_scale.py", "gpu_check.py"):
         session.run("python", f"bench/{script}", *session.posargs)

@@ -18,11 +18,14 @@ from __future__ import annotations
 import pickle
 import sys
 from functools import lru_cache
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import numpy as np
 
 from .errors import CorruptObjectError
+
+if TYPE_CHECKING:
+    import torch
 
 _NUMPY_KINDS = "biufc"  # bool, signed, unsigned, float, complex
 MAX_META = 4096
@@ -38,7 +41,7 @@ def _torch():
     return torch
 
 
-def is_tensor(value: Any) -> bool:
+def is_tensor(value: Any) -> TypeGuard[torch.Tensor]:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(value, torch.Tensor)
 

@@ -59,7 +59,7 @@ def _ratios(ratios) -> tuple[float, float, float]:
     r = tuple(float(x) for x in ratios)
     if len(r) != 3 or any(x < 0 for x in r) or abs(sum(r) - 1.0) > 1e-6:
         raise ValueError(f"ratios must be three non-negative shares (hbm, dram, ssd) summing to 1, got {ratios!r}")
-    return r  # type: ignore[return-value]
+    return r
 
 
 @dataclass

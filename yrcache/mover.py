@@ -20,15 +20,19 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import CorruptObjectError, StoreClosedError, StoreFullError
 from .policy import Candidate
 from .tiers import dram
-from .tiers.base import BlobTier, new_gen
+from .tiers.base import new_gen
 from .tiers.dram import ANY_SEQ, C_EVICTIONS, C_PROMOTIONS, C_SPILLS, TIER_DRAM, TIER_HBM, TIER_SSD
+
+if TYPE_CHECKING:
+    from .tiers.device import DeviceTier
+    from .tiers.disk import DiskTier
 
 
 def key_repr(key: str) -> str:
@@ -42,7 +46,7 @@ class Unlinker:
     slow the threads that wait on it.  Re-created lazily after a fork.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._q: queue.Queue | None = None
         self._pid = 0
 
@@ -70,11 +74,23 @@ class Unlinker:
 class Mover:
     """Single moves between the tiers of one store handle."""
 
-    def __init__(self, arena: dram.Arena, disk: BlobTier | None, device: BlobTier | None = None):
+    def __init__(self, arena: dram.Arena, disk: DiskTier | None, device: DeviceTier | None = None):
         self._arena: dram.Arena | None = arena
         self.disk = disk          # the SSD tier, or None
         self.device = device      # this process's HBM tier, or None
         self.unlinker = Unlinker()
+
+    @property
+    def ssd(self) -> DiskTier:
+        """The SSD tier, for the moves that need one (their callers checked ``disk``)."""
+        assert self.disk is not None, "this store has no SSD tier"
+        return self.disk
+
+    @property
+    def hbm_tier(self) -> DeviceTier:
+        """This process's HBM tier, for the moves that need one."""
+        assert self.device is not None, "this process has no HBM tier"
+        return self.device
 
     @property
     def a(self) -> dram.Arena:
@@ -97,7 +113,7 @@ class Mover:
         tiers = (1 << TIER_SSD if self.disk is not None else 0) | (1 << TIER_HBM if self.device is not None else 0)
         done = self.a.drain_retired(tiers)
         for rec, _key in done:
-            (self.disk if rec.tier == TIER_SSD else self.device).delete(rec.gen)
+            (self.ssd if rec.tier == TIER_SSD else self.hbm_tier).delete(rec.gen)
         return len(done)
 
     def others_pending(self) -> bool:
@@ -124,14 +140,14 @@ class Mover:
             return False
         with res:
             try:
-                self.disk.put(gen, meta, payload, key=kb.decode(), priority=priority,
+                self.ssd.put(gen, meta, payload, key=kb.decode(), priority=priority,
                               expire_at=expire_at or None)
             except StoreFullError:
                 self.reclaim_expired()    # expired objects may still hold SSD room
-                self.disk.put(gen, meta, payload, key=kb.decode(), priority=priority,
+                self.ssd.put(gen, meta, payload, key=kb.decode(), priority=priority,
                               expire_at=expire_at or None)
             if res.commit(expected) is None:
-                self.disk.delete(gen)
+                self.ssd.delete(gen)
                 return False
         self.drain()    # what the stub replaced, in any tier
         return True
@@ -172,12 +188,12 @@ class Mover:
         CorruptObjectError at once, never a retry loop."""
         buf = np.empty(info.nbytes, dtype=np.uint8)   # not zero-filled: readinto overwrites it
         try:
-            return self.disk.read_into(info.gen, buf), buf
+            return self.ssd.read_into(info.gen, buf), buf
         except KeyError:
             if self.stub_unchanged(key, info.seq):
                 raise CorruptObjectError(
                     f"{key_repr(key)} is on SSD according to the store's index, but its disk copy "
-                    f"(generation {info.gen:#x}) is missing from {self.disk.path}; delete the key and "
+                    f"(generation {info.gen:#x}) is missing from {self.ssd.path}; delete the key and "
                     "write it again") from None
             return None
 
@@ -196,12 +212,12 @@ class Mover:
         """
         with res:
             try:
-                self.disk.read_into(info.gen, res.buffer)
+                self.ssd.read_into(info.gen, res.buffer)
             except KeyError:
                 return False
             if res.commit(info.seq) is None:
                 return False
-        self.disk.delete(info.gen, later=self.unlinker.submit)
+        self.ssd.delete(info.gen, later=self.unlinker.submit)
         self.drain()
         self.a.count(C_PROMOTIONS)
         return True
@@ -212,9 +228,9 @@ class Mover:
         """Copy one device tensor of this process into a reserved DRAM block
         (D2H) and publish it in place of its stub; bytes freed on the device."""
         with res:
-            if self.device.info(rec.gen) is None:
+            if self.hbm_tier.info(rec.gen) is None:
                 return 0
-            self.device.read_into(rec.gen, res.buffer)
+            self.hbm_tier.read_into(rec.gen, res.buffer)
             if res.commit(rec.seq) is None:
                 return 0
         self.drain()          # the retired stub: the tensor goes
@@ -228,16 +244,16 @@ class Mover:
         object changed meanwhile)."""
         a = self.a
         gen = new_gen()
-        self.device.put(gen, meta, value, key=kb.decode(), priority=priority, expire_at=expire_at or None)
+        self.hbm_tier.put(gen, meta, value, key=kb.decode(), priority=priority, expire_at=expire_at or None)
         res = a.reserve(kb, meta, nbytes, priority=priority, expire_at=expire_at, tier=TIER_HBM,
                         holder=a.slot, gen=gen, access_count=access_count)
         if res is None or res.commit(expected) is None:
             if res is not None:
                 res.abort()
-            self.device.delete(gen)
+            self.hbm_tier.delete(gen)
             return None
         self.drain()
-        return self.device.get(gen)
+        return self.hbm_tier.get(gen)
 
     # -------------------------------------------------------------- restarts
 
@@ -250,7 +266,7 @@ class Mover:
         best: dict[str, Any] = {}
         stale: list[int] = []
         now = time.time()
-        for e in list(self.disk.entries()):
+        for e in list(self.ssd.entries()):
             if e.expire_at is not None and e.expire_at <= now:
                 stale.append(e.gen)
                 continue
@@ -262,7 +278,7 @@ class Mover:
             else:
                 stale.append(e.gen)
         for gen in stale:
-            self.disk.delete(gen)
+            self.ssd.delete(gen)
         n = 0
         a = self.a
         for key, e in best.items():
@@ -277,7 +293,7 @@ class Mover:
         """Remove disk copies no stub refers to, and crash leftovers.  Only
         safe with no other writer (an adopter alone with the store)."""
         live = {r.gen for r, _ in self.a.scan(1 << TIER_SSD)}
-        return self.disk.vacuum(live=live.__contains__, min_age=0)
+        return self.ssd.vacuum(live=live.__contains__, min_age=0)
 
     def close(self) -> None:
         """Finish deferred work and let go of the arena (operations still

@@ -21,7 +21,7 @@ This is the seam where cluster mode's remote tier plugs in.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -32,6 +32,10 @@ from .policy import Candidate, Policy
 from .sizes import format_size
 from .tiers import dram
 from .tiers.dram import ANY_SEQ, TIER_DRAM, TIER_HBM, TIER_SSD
+
+if TYPE_CHECKING:
+    from .config import Tier
+    from .hbm import HbmOwner
 
 RETRY = object()   # the object moved or changed while it was read: look it up again
 SMALL_VALUE = 64 * 1024   # at or below: copied under the arena lock in one C call
@@ -48,18 +52,18 @@ class Placement:
         self._arena: dram.Arena | None = arena
         self.policy, self.mover, self.cache, self.name = policy, mover, cache, name
         self.disk = mover.disk
-        self.hbm = None            # hbm.HbmOwner when this process holds the HBM tier
+        self.hbm: HbmOwner | None = None    # when this process holds the HBM tier
         #: Where a put without ``tier=`` goes: None for DRAM (and a device
         #: tensor to this process's HBM tier), or a Tier for every value it
         #: can hold (the tier conformance suites run the store suite this way).
-        self.default_tier: int | None = None
+        self.default_tier: Tier | None = None
 
     @property
     def plain(self) -> bool:
         """Does a put without options go straight to DRAM (the fast path)?"""
         return self.hbm is None and self.default_tier is None
 
-    def default_for(self, value: Any) -> int | None:
+    def default_for(self, value: Any) -> Tier | None:
         """The tier a put of ``value`` without ``tier=`` aims at."""
         if self.default_tier == TIER_HBM and not codec.is_tensor(value):
             return None                # the HBM tier holds tensors only
@@ -238,7 +242,7 @@ class Placement:
         """Cache mode: drop the coldest SSD objects until ``need`` bytes are free there."""
         cands = [Candidate(k, r.seq, r.nbytes, r.nbytes, r.priority, r.access_count, r.last_access, 0)
                  for r, k in self.a.scan(1 << TIER_SSD)]
-        need = self.disk.used + need - self.disk.capacity
+        need = self.mover.ssd.used + need - self.mover.ssd.capacity
         return sum(self.mover.evict(c) for c in self.policy.victims(cands, need))
 
     def reserve_dram(self, kb: bytes, meta: bytes, nbytes: int, priority: int, expire_at: float,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import overload
 
 _UNITS = {
     "": 1, "b": 1,
@@ -11,6 +12,14 @@ _UNITS = {
     "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+@overload
+def parse_size(value: int | float | str, what: str = ...) -> int: ...
+@overload
+def parse_size(value: None, what: str = ...) -> None: ...
+@overload
+def parse_size(value: int | float | str | None, what: str = ...) -> int | None: ...
 
 
 def parse_size(value: int | float | str | None, what: str = "size") -> int | None:
@@ -44,7 +53,7 @@ def parse_size(value: int | float | str | None, what: str = "size") -> int | Non
     return int(n)
 
 
-def format_size(n: int) -> str:
+def format_size(n: float) -> str:
     """Human-readable IEC size: ``format_size(3 << 30) == '3.0 GiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -14,8 +14,8 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator, MutableMapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -29,15 +29,21 @@ from .sizes import format_size
 from .store_ops import StoreOps
 from .validate import expire_at as _expire_at, key_bytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
+from .types import Value
+
+if TYPE_CHECKING:
+    from .hbm import HbmOwner
+    from .tiers.disk import DiskTier
 
 __all__ = ["TieredStore", "Tier", "WriteMode", "key_bytes"]
 
 HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 _MISSING = object()
 _PLAIN_TYPES = (np.ndarray, bytes, bytearray)
+_Out = TypeVar("_Out")
 
 
-class TieredStore(StoreOps, MutableMapping):
+class TieredStore(StoreOps, MutableMapping[str, Value]):
     """An embedded tiered key-value store for bytes, arrays and tensors.
 
     ``TieredStore(name=..., dram="2GiB")`` creates a store (or adopts one whose
@@ -63,24 +69,25 @@ class TieredStore(StoreOps, MutableMapping):
     - ``cluster``/``listen``/``replicas``/``write_mode``: cluster mode, not
       built yet (``NotImplementedError``).
 
-    >>> with TieredStore(dram="16MiB") as s:
-    ...     s["x"] = np.arange(3)
-    ...     s["x"].tolist()
-    [0, 1, 2]
+    Examples:
+        >>> with TieredStore(dram="16MiB") as s:
+        ...     s["x"] = np.arange(3)
+        ...     s["x"].tolist()
+        [0, 1, 2]
     """
 
     def __init__(self, name: str | None = None, *, dram: int | str | None = None,
-                 ssd: str | os.PathLike | None = None, ssd_size: int | str | None = None,
+                 ssd: str | os.PathLike[str] | None = None, ssd_size: int | str | None = None,
                  hbm: int | str | None = None, device: str | None = None,
                  capacity: int | str | None = None, ratios: tuple[float, float, float] | None = None,
                  policy: str = "spill", pickle: bool = False, prefault: bool = True,
                  watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
                  persist: bool | None = None, huge_pages: bool = False,
                  cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
-                 write_mode: WriteMode | str | None = None, _attach: bool = False):
+                 write_mode: WriteMode | str | None = None, _attach: bool = False) -> None:
         self._arena: Arena | None = None
-        self._placement: Placement | None = None
-        self._disk = None
+        self._placement: Placement = None  # type: ignore[assignment]  # set by _configure (close() checks)
+        self._disk: DiskTier | None = None
         self._closed = False
         if cluster is not None or (os.environ.get("YRCACHE_ETCD") and not _attach):
             raise NotImplementedError(
@@ -90,7 +97,7 @@ class TieredStore(StoreOps, MutableMapping):
         self._write_mode = _write_mode(write_mode)
         if _attach:
             self.name = check_name(name)
-            self._arena = Arena(name, prefault=prefault)
+            self._arena = Arena(self.name, prefault=prefault)
             self._configure(self._arena.read_config() or {})
             return
         st = Settings.build(dram=dram, ssd=ssd, ssd_size=ssd_size, hbm=hbm, device=device, capacity=capacity,
@@ -136,7 +143,7 @@ class TieredStore(StoreOps, MutableMapping):
             raise
 
     def _configure(self, config: dict) -> None:
-        a = self._arena
+        a = self._a
         if config.get("huge_pages") and not a.huge_pages:
             a.advise_huge()            # this process's mapping too (the pages are shared)
         policy = Policy(config.get("high", 0.9), config.get("low", 0.8), config.get("promote_after", 2))
@@ -174,6 +181,12 @@ class TieredStore(StoreOps, MutableMapping):
         in a long-lived process that moves a lot of data, such as an RL
         trainer or rollout worker.  Raises ``StoreNotFoundError`` when no
         such store exists.  ``close()`` on the returned handle only detaches.
+
+        ```python
+        # process A                                  # process B, same node
+        s = TieredStore(name="exp1", dram="2GiB")    s = TieredStore.attach("exp1")
+        s["w"] = torch.randn(1024, 1024)             w = s["w"]   # the same pages, no copy
+        ```
         """
         return cls(name, pickle=pickle, prefault=prefault, _attach=True)
 
@@ -188,8 +201,13 @@ class TieredStore(StoreOps, MutableMapping):
         return a
 
     @property
-    def _hbm(self):
-        """This process's HBM tier (hbm.HbmOwner), or None (a forked child has none)."""
+    def pickle(self) -> bool:
+        """True if this handle stores and reads pickled objects (opened with ``pickle=True``)."""
+        return self._pickle
+
+    @property
+    def _hbm(self) -> HbmOwner | None:
+        """This process's HBM tier, or None (a forked child has none)."""
         p = self._placement
         return p.hbm if p is not None else None
 
@@ -210,13 +228,27 @@ class TieredStore(StoreOps, MutableMapping):
 
     # ---------------------------------------------------------------- puts
 
-    def put(self, key: str, value: Any, tier: Tier | None = None, priority: int = 0,
+    def put(self, key: str, value: Value, tier: Tier | None = None, priority: int = 0,
             ttl: float | None = None, write_mode: WriteMode | str | None = None) -> None:
         """Store ``value`` under ``key``, replacing any old value atomically.
 
         One copy into the arena (none more for a value that is not
         contiguous: it is made contiguous first).  Readers see the old object
         or the new one, never a mix; views of the old object stay valid.
+
+        ``tier`` is a placement hint (default: DRAM, or HBM for a device
+        tensor when this process has an HBM tier); ``priority`` orders
+        demotion (lower leaves a fast tier first); ``ttl`` makes the object
+        invisible after that many seconds; ``write_mode`` is validated (it
+        matters only in cluster mode, not built yet).  Raises
+        ``StoreFullError`` when no tier has room, ``TypeError`` for a value
+        the store cannot hold.
+
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s.put("replay/0", np.arange(4), priority=-1, ttl=60)
+            ...     s["replay/0"].tolist()
+            [0, 1, 2, 3]
         """
         a = self._a  # noqa: F841 - holds the mapping while the put runs (a close() may drop ours)
         kb = key_bytes(key)
@@ -225,7 +257,8 @@ class TieredStore(StoreOps, MutableMapping):
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
             # The common case, kept short: a host value into DRAM.
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            return p.put(kb, meta, payload, nbytes, 0, 0.0)
+            p.put(kb, meta, payload, nbytes, 0, 0.0)
+            return
         priority = _priority(priority)
         tier = self._check_tier(tier if tier is not None else p.default_for(value))
         _write_mode(write_mode)
@@ -245,8 +278,8 @@ class TieredStore(StoreOps, MutableMapping):
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._placement.put(kb, meta, payload, nbytes, priority, expire_at, tier)
 
-    def put_with(self, key: str, meta: bytes, nbytes: int, fill, *, priority: int = 0,
-                 ttl: float | None = None) -> None:
+    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Callable[[np.ndarray], None], *,
+                 priority: int = 0, ttl: float | None = None) -> None:
         """Reserve ``nbytes`` for ``key``, let ``fill(view)`` write them, then publish.
 
         ``view`` is a writable flat uint8 ndarray over the arena block; ``fill``
@@ -257,20 +290,28 @@ class TieredStore(StoreOps, MutableMapping):
         self._check_open()
         self._placement.put(key_bytes(key), meta, fill, int(nbytes), _priority(priority), _expire_at(ttl))
 
-    def mset(self, items: dict[str, Any] | Iterable[tuple[str, Any]], tier: Tier | None = None,
+    def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
              write_mode: WriteMode | str | None = None) -> None:
         """Put several values; each one is atomic (the batch as a whole is not).
 
         Small values are stored under one hold of the arena lock; larger ones
         (and any that do not fit at once) one by one, as ``put`` does.
+        ``items``: a mapping, or an iterable of ``(key, value)`` pairs; every
+        key is validated before anything is stored.
+
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s.mset({"a": b"x", "b": b"y"})
+            ...     [bytes(v) if v is not None else None for v in s.mget(["a", "b", "c"])]
+            [b'x', b'y', None]
         """
         self._check_open()
         self._check_tier(tier)
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         priority = _priority(priority)
-        pairs = list(items.items() if isinstance(items, dict) else items)
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
         for k, _ in pairs:
             key_bytes(k)            # validate every key before storing anything
         p = self._placement
@@ -291,7 +332,8 @@ class TieredStore(StoreOps, MutableMapping):
             if id(e) not in stored:
                 self._placement.put(e[0], e[1], e[2], e[3], priority, expire_at, tier)
 
-    def __setitem__(self, key: str, value: Any) -> None:
+    def __setitem__(self, key: str, value: Value) -> None:
+        """``store[key] = value``: ``put(key, value)`` with the default options."""
         self.put(key, value)
 
     # ---------------------------------------------------------------- gets
@@ -317,6 +359,14 @@ class TieredStore(StoreOps, MutableMapping):
         The view pins the stored bytes until its last reference dies.  With
         ``copy=True`` returns a private writable copy instead.  O(1) for a
         DRAM object; an SSD object is read (one copy) or promoted first.
+
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s["k"] = np.arange(3)
+            ...     v = s.get("k")
+            ...     c = s.get("k", copy=True)
+            ...     (v.flags.writeable, c.flags.writeable, s.get("missing", "default"))
+            (False, True, 'default')
         """
         a = self._a
         kb = key_bytes(key)
@@ -347,14 +397,20 @@ class TieredStore(StoreOps, MutableMapping):
         # A tensor needs writable memory (torch has no read-only tensors; see README).
         return codec.decoder(meta)(bytearray(body) if kind == b"T" else body, nbytes)
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> Value:
+        """``store[key]``: the value as ``get`` returns it; ``KeyError`` when missing."""
         value = self.get(key, _MISSING)
         if value is _MISSING:
             raise KeyError(key)
         return value
 
-    def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Any]:
-        """Values of ``keys`` (``None`` for missing ones), looked up under one lock hold."""
+    def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Value | None]:
+        """Values of ``keys`` (``None`` for missing ones), looked up under one lock hold.
+
+        The values are one snapshot: small DRAM values are copied out, the
+        rest pinned as by ``get`` (zero-copy views; ``copy=True``: private
+        copies).
+        """
         a = self._a
         kbs = [key_bytes(k) for k in keys]
         if not kbs:
@@ -379,7 +435,7 @@ class TieredStore(StoreOps, MutableMapping):
         out = [self.get(kbs[i].decode()) if v is RETRY else v for i, v in enumerate(out)]
         return [codec.private_copy(v) for v in out] if copy else out
 
-    def get_into(self, key: str, out: Any) -> Any:
+    def get_into(self, key: str, out: _Out) -> _Out:
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
 
         One copy, straight from the arena; ``out`` must have the stored
@@ -387,6 +443,13 @@ class TieredStore(StoreOps, MutableMapping):
         dtype, numpy and torch dtypes compared by meaning: it copies bytes, it
         never casts; see ``codec.check_into``).  Returns ``out``.  Raises
         ``KeyError`` when missing, ``ValueError`` when ``out`` does not fit.
+
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s["k"] = np.arange(4, dtype=np.int64)
+            ...     out = np.empty(4, dtype=np.int64)
+            ...     s.get_into("k", out).tolist()
+            [0, 1, 2, 3]
         """
         a = self._a
         info = a.get(key_bytes(key))
@@ -412,6 +475,7 @@ class TieredStore(StoreOps, MutableMapping):
         return out
 
     def __contains__(self, key: object) -> bool:
+        """``key in store``: O(1), without reading the value; False for anything not a valid key."""
         if not isinstance(key, str):
             return False
         try:
@@ -430,6 +494,7 @@ class TieredStore(StoreOps, MutableMapping):
         return deleted
 
     def __delitem__(self, key: str) -> None:
+        """``del store[key]``: ``delete(key)``; ``KeyError`` when missing."""
         if not self.delete(key):
             raise KeyError(key)
 
@@ -449,6 +514,12 @@ class TieredStore(StoreOps, MutableMapping):
         added or removed during the iteration may or may not appear; every
         other key appears once.  An iterator resumed after ``close()`` raises
         StoreClosedError.
+
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s.mset({"policy/w2": b"", "policy/w1": b"", "replay/0": b""})
+            ...     list(s.keys(prefix="policy/"))
+            ['policy/w1', 'policy/w2']
         """
         a = self._a
         if not isinstance(prefix, str):
@@ -456,9 +527,11 @@ class TieredStore(StoreOps, MutableMapping):
         return a.keys(prefix.encode(), self._check_open)
 
     def __iter__(self) -> Iterator[str]:
+        """Iterate over every key, in byte order (``keys()``)."""
         return self.keys()
 
     def __len__(self) -> int:
+        """The number of objects in every tier (expired ones are dropped first)."""
         a = self._a
         a.expire(time.time())
         return a.stats().objects
@@ -506,10 +579,12 @@ class TieredStore(StoreOps, MutableMapping):
             unlink_if(self.name, self._ident)
 
     def __enter__(self) -> "TieredStore":
+        """``with TieredStore(...) as s:`` closes the handle when the block ends."""
         self._check_open()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
+        """Close the handle (``close()``)."""
         self.close()
 
     def __reduce__(self):

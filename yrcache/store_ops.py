@@ -6,19 +6,40 @@ checks, named words and memory hints.  ``TieredStore`` inherits them
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import codec
 from .config import Tier
 from .errors import YrcacheError
 from .tiers.dram import Word
+from .types import Value
 from .validate import key_bytes
+
+if TYPE_CHECKING:
+    from .hbm import HbmOwner
+    from .placement import Placement
+    from .tiers.disk import DiskTier
+    from .tiers.dram import Arena
 
 _WORD_PREFIX = "user/"
 
 
 class StoreOps:
     """Mixed into ``TieredStore``: needs ``_a``, ``_placement``, ``_config``, ``_hbm``, ``name``."""
+
+    if TYPE_CHECKING:    # provided by TieredStore
+        name: str
+        _placement: Placement
+        _disk: DiskTier | None
+        _config: dict
+
+        @property
+        def _a(self) -> Arena: ...
+
+        @property
+        def _hbm(self) -> HbmOwner | None: ...
+
+        def _check_open(self) -> None: ...
 
     def pin_host_memory(self) -> None:
         """Register the arena as pinned (page-locked) host memory for CUDA.
@@ -36,9 +57,10 @@ class StoreOps:
         if not torch.cuda.is_available():
             return
         err = torch.cuda.cudart().cudaHostRegister(a.addr, a.size, 0)
-        a.cuda_pinned = int(err) == 0 if err is not None else True
+        # A mark on this process's mapping (tiers/dram.py is at its size limit).
+        a.cuda_pinned = int(err) == 0 if err is not None else True  # type: ignore[attr-defined]
 
-    def prefault(self, *values: Any) -> None:
+    def prefault(self, *values: Value) -> None:
         """Map arena pages now instead of one page fault per 4 KiB later.
 
         Without arguments: every page of the arena, as ``attach(prefault=True)``
@@ -65,27 +87,29 @@ class StoreOps:
         a futex until someone calls ``w.wake()``; ``w.cas(old, new)`` updates
         ``value`` atomically.  No lock and no lookup after the first call.
 
-        >>> with TieredStore(dram="16MiB") as s:
-        ...     w = s.word("ready")
-        ...     seen = w.seq
-        ...     w.wake()
-        ...     w.wait(seen, timeout=1.0)
-        True
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     w = s.word("ready")
+            ...     seen = w.seq
+            ...     w.wake()
+            ...     w.wait(seen, timeout=1.0)
+            True
         """
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 200 or "\x00" in name:
             raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
         return self._a.word(_WORD_PREFIX + name)
 
-    def info(self, key: str) -> dict | None:
+    def info(self, key: str) -> dict[str, Any] | None:
         """What is stored under ``key``, without reading it: ``{"tier", "nbytes",
         "kind", "priority", "expire_at"}`` plus ``"dtype"`` and ``"shape"`` for
         arrays and tensors; None when missing.  No pin, no read counted.
 
-        >>> with TieredStore(dram="16MiB") as s:
-        ...     s["x"] = np.zeros((2, 3), np.float32)
-        ...     i = s.info("x")
-        ...     (i["tier"], i["nbytes"], i["kind"], i["dtype"], i["shape"])
-        (<Tier.DRAM: 1>, 24, 'ndarray', '<f4', (2, 3))
+        Examples:
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s["x"] = np.zeros((2, 3), np.float32)
+            ...     i = s.info("x")
+            ...     (i["tier"], i["nbytes"], i["kind"], i["dtype"], i["shape"])
+            (<Tier.DRAM: 1>, 24, 'ndarray', '<f4', (2, 3))
         """
         got = self._a.peek(key_bytes(key))
         if got is None:
@@ -106,7 +130,7 @@ class StoreOps:
         """Could any object live outside DRAM (here, or HBM in another process)?"""
         return self._disk is not None or self._hbm is not None or bool(self._config.get("hbm"))
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Capacity, use and counters of every tier (a fresh snapshot).
 
         O(objects in lower tiers) when the store has them (their stubs are

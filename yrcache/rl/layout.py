@@ -114,6 +114,10 @@ class Shard:
     publish it names the concat dim and the publishing rank; the publisher's
     split is given by the ranks' actual part sizes.  A negative *dim* is
     normalised against the tensor's ndim when resolved (``resolve_dim``).
+
+    Examples:
+        >>> Shard(dim=0, index=1, count=3).bounds((10, 4))    # rows 4..6 of 10
+        (4, 7)
     """
 
     dim: int
@@ -158,9 +162,13 @@ class Fused:
     ``shard`` applied to source ``x`` on its own (array_split along
     ``shard.dim``), or the whole source when ``shard`` is None.  All other
     dims of the pieces must agree.
+
+    Examples:
+        >>> Fused(["q", "k", "v"], dim=0, shard=Shard(0, index=1, count=2)).sources
+        ('q', 'k', 'v')
     """
 
-    sources: tuple[str, ...]
+    sources: Sequence[str]      # stored as a tuple
     dim: int = 0
     shard: Shard | None = None
 

@@ -10,13 +10,17 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .. import codec
 from .board import FORMAT, VersionBoard, encode_structure, merge_manifests
+from ..types import Array, DType
 from .reshard import Shard
+
+if TYPE_CHECKING:
+    from .. import TieredStore
 
 __all__ = ["WeightPublisher"]
 
@@ -117,9 +121,24 @@ class WeightPublisher:
 
     ``keep`` newest complete versions stay readable; older ones are retired
     when a newer version completes (give every rank the same ``keep``).
+    ``store`` is any handle of the store (``TieredStore.attach`` in each
+    trainer process).
+
+    Examples:
+        >>> import numpy as np
+        >>> from yrcache import TieredStore
+        >>> from yrcache.rl import Shard, WeightPublisher
+        >>> with TieredStore(dram="16MiB") as s:
+        ...     pubs = [WeightPublisher(s, "policy", rank=r, world=2) for r in range(2)]
+        ...     pubs[0].publish({"w": np.zeros((2, 4))}, version=1, layout={"w": Shard(0, 0, 2)})
+        ...     pubs[1].publish({"w": np.ones((3, 4))}, version=1, layout={"w": Shard(0, 1, 2)})
+        ...     pubs[0].latest()
+        False
+        True
+        1
     """
 
-    def __init__(self, store, name: str, rank: int = 0, world: int = 1, keep: int = 2):
+    def __init__(self, store: TieredStore, name: str, rank: int = 0, world: int = 1, keep: int = 2) -> None:
         for what, v, lo in (("rank", rank, 0), ("world", world, 1), ("keep", keep, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{what} must be an int >= {lo}, got {v!r}")
@@ -132,8 +151,8 @@ class WeightPublisher:
         self._pending: set[int] = set()
         self._woke_nobody = False        # a version completed here, its waiters not woken yet
 
-    def publish(self, state: Mapping[str, Any], version: int, layout: Mapping[str, Shard | None] | None = None,
-                dtype: Any = None) -> bool:
+    def publish(self, state: Mapping[str, Array], version: int, layout: Mapping[str, Shard | None] | None = None,
+                dtype: DType | None = None) -> bool:
         """Publish this rank's part of ``state`` as ``version``; True if the version is now visible.
 
         ``layout[name] = Shard(dim, index=rank, count=world)`` marks a tensor as
@@ -252,9 +271,9 @@ class WeightPublisher:
             self.board.complete(version, wake=False)   # repairs the record if its completer died
             self._woke_nobody = True
             return True
-        manifests = [mine] if mine is not None and self.world == 1 else \
-            self.board.rank_manifests(version, self.world)
-        if any(m is None for m in manifests):
+        got = [mine] if mine is not None and self.world == 1 else self.board.rank_manifests(version, self.world)
+        manifests = [m for m in got if m is not None]
+        if len(manifests) < len(got):
             return False
         info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
         self.board.complete(version, {"format": FORMAT, "version": version, "world": self.world,

@@ -12,14 +12,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .. import codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
+from ..types import Array, DType
 from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
+
+if TYPE_CHECKING:
+    from .. import TieredStore
 
 __all__ = ["WeightSubscriber"]
 
@@ -142,7 +146,8 @@ class _Stager:
     pinned and copies run asynchronously; a bucket is reused only after a synchronize."""
 
     def __init__(self, bucket: int, pin: bool, buf=None):
-        self.bucket, self.pin, self.used, self.pending = bucket, pin, 0, set()
+        self.bucket, self.pin, self.used = bucket, pin, 0
+        self.pending: set[Any] = set()    # devices with copies in flight
         self.buf = buf if buf is not None and buf.numel() >= bucket else None
 
     def take(self, nbytes: int):
@@ -177,10 +182,22 @@ class WeightSubscriber:
     ``last_fetch_stats`` describes the latest ``fetch``: ``bytes_copied`` (out
     of the arena), ``bytes_needed`` (the result, in the stored dtype; equal
     unless something is wrong), ``bytes_version`` (all stored bytes of the
-    version), ``parts``, ``targets`` and ``seconds``.
+    version), ``parts``, ``targets`` and ``seconds``.  A subscriber pickles
+    as its store's name and its weight set's name.
+
+    Examples:
+        >>> import numpy as np
+        >>> from yrcache import TieredStore
+        >>> from yrcache.rl import Shard, WeightPublisher, WeightSubscriber
+        >>> with TieredStore(dram="16MiB") as s:
+        ...     _ = WeightPublisher(s, "policy").publish({"w": np.arange(8.0).reshape(2, 4)}, version=7)
+        ...     sub = WeightSubscriber(s, "policy")
+        ...     v = sub.wait(newer_than=None, timeout=1.0)
+        ...     (v, sub.fetch(v, layout={"w": Shard(dim=1, index=1, count=2)})["w"].tolist())
+        (7, [[2.0, 3.0], [6.0, 7.0]])
     """
 
-    def __init__(self, store, name: str):
+    def __init__(self, store: TieredStore, name: str) -> None:
         self.store, self.name = store, name
         self.board = VersionBoard(store, name)
         self.last_fetch_stats: dict = {}
@@ -226,7 +243,7 @@ class WeightSubscriber:
                 if newer_than is None or latest > newer_than:
                     return latest
                 if max_staleness is not None and latest == newer_than \
-                        and self.board.head() - max_staleness <= newer_than:
+                        and (self.board.head() or latest) - max_staleness <= newer_than:
                     return latest
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -313,7 +330,8 @@ class WeightSubscriber:
                         else np.dtype(t.dtype).kind == "f")
             return _Target(name, t.kind, t.dtype, t.itemsize, floating, plan.shape, plan, slots)
 
-        targets, consumed = [], set()
+        targets: list[_Target] = []
+        consumed: set[str] = set()
         for name, spec in layout.items():
             if spec is None or isinstance(spec, Shard):
                 t = get(name)
@@ -336,8 +354,8 @@ class WeightSubscriber:
                          sum(math.prod(t.shape) * t.itemsize for t in targets),
                          sum(math.prod(t.shape) * t.itemsize for t in info.values()))
 
-    def fetch(self, version: int, layout: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None,
-              dtype: Any = None) -> dict[str, Any]:
+    def fetch(self, version: int, layout: Mapping[str, Shard | Fused | None] | None = None,
+              into: Mapping[str, Array] | None = None, dtype: DType | None = None) -> dict[str, Array]:
         """This worker's slice of ``version``: ``{name: tensor or ndarray}``.
 
         ``layout[name]`` is a ``Shard`` (cut like ``numpy.array_split``), a
@@ -348,6 +366,14 @@ class WeightSubscriber:
         contiguous tensor on any device, or an ndarray) receives its slice in
         place.  ``dtype`` casts floating-point results.  Raises ``KeyError``
         when the version is not complete or was reclaimed.
+
+        ```python
+        # rollout rank k of 4, tensor-parallel: column shard of w, fused QKV rows
+        state = sub.fetch(v, layout={
+            "w": Shard(dim=1, index=k, count=4),
+            "qkv": Fused(["q", "k", "v"], dim=0, shard=Shard(0, k, 4)),
+        }, into={"w": engine_w, "qkv": engine_qkv})   # straight into GPU parameters
+        ```
         """
         t0 = time.perf_counter()
         version = _check_version(version)

@@ -98,16 +98,18 @@ class ChunkHasher:
     def __init__(self) -> None:
         with _idle_lock:
             w = _idle_workers.pop() if _idle_workers else None
-        self._w = w or _HashWorker()
+        self._w: _HashWorker | None = w or _HashWorker()
         self._state = _HashState()
 
     def feed(self, chunk: memoryview) -> None:
         """Queue ``chunk`` (no copy) for hashing after the chunks fed before it."""
+        assert self._w is not None, "feed() after finish()"
         self._w.q.put((self._state, chunk, None))
 
     def finish(self) -> int:
         """Wait for every fed chunk; return the digest and park the thread."""
         done: queue.SimpleQueue = queue.SimpleQueue()
+        assert self._w is not None, "finish() called twice"
         self._w.q.put((self._state, None, done))
         done.get()
         with _idle_lock:

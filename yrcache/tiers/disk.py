@@ -47,7 +47,7 @@ import stat
 import struct
 import time
 import uuid
-from typing import Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import diskcache
 import xxhash
@@ -108,7 +108,7 @@ def _decode(raw: object) -> _Rec:
                 raw[_HDR.size:m], raw[m:k].decode("utf-8"), raw, k)
 
 
-def _check_gen(gen: object) -> int:
+def _check_gen(gen: Any) -> int:
     if isinstance(gen, bool):
         raise TypeError("a generation is an int in 1..2**63-1, got a bool")
     try:
@@ -216,7 +216,7 @@ class DiskTier(BlobTier):
         )
         if self._durable:
             settings["sqlite_synchronous"] = 2
-        self._cache = None
+        self._cache: diskcache.Cache = None   # used only while open (_check_open)
         try:
             self._cache = diskcache.Cache(self._index_dir, **settings)
             # SQLite creates cache.db (and its -wal, -shm) with the umask's

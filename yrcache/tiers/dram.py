@@ -445,7 +445,7 @@ class Arena:
                                   buf, MREAD_BYTES, SMALL_READ if small else 0), "mget")
         return infos, found, ffi.unpack(buf, used) if used else b""
 
-    def read(self, kb: bytes, small: bool = True) -> tuple[Any, bytes | None] | None:
+    def read(self, kb: bytes, small: bool = True) -> tuple[Any, bytes | None] | None:  # type: ignore[return]  # check() raises
         """A read of ``kb``: None when missing, else (info, copy) where ``copy``
         is the codec header and payload of a small DRAM object (``bytes``, no pin
         taken), or None when ``info`` is a pinned lookup (the scratch record, as

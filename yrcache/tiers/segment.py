@@ -18,7 +18,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 SHM_DIR = "/dev/shm"
 
 
-def check_name(name: str) -> str:
+def check_name(name: object) -> str:
     """Validate a store name (it becomes a file name under /dev/shm)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(
@@ -118,7 +118,7 @@ def open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
     return fd, created
 
 
-def no_room(name: str, size: int, why: str) -> StoreFullError:
+def no_room(name: str, size: int, why: str | None) -> StoreFullError:
     """The error for a new segment that /dev/shm cannot back."""
     return StoreFullError(
         f"cannot create store {name!r}: {SHM_DIR} has no room for {format_size(size)} ({why}); "
