@@ -40,6 +40,9 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """All benchmarks; figures go to docs/benchmarks.md by hand, with the command."""
-    session.install("-e", ".[all]")
+    session.install("-e", ".[all,bench]")
     for script in ("bench_store.py", "bench_tiers.py", "bench_rl_sync.py", "bench_rl_scale.py", "gpu_check.py"):
         session.run("python", f"bench/{script}", *session.posargs)
+    # peers that are not installed (ray, vineyard: `pip install ray vineyard 'setuptools<81'`;
+    # redis-server from the OS) are skipped with a message
+    session.run("python", "bench/compare.py", *session.posargs)
