@@ -24,7 +24,15 @@ DEFAULT_DRAM = "1GiB"
 
 
 class Tier(enum.IntEnum):
-    """Where an object lives: GPU memory, the shared DRAM arena or SSD files."""
+    """Where an object lives: GPU memory, the shared DRAM arena or SSD files.
+
+    Examples:
+        >>> from yrcache import TieredStore, Tier
+        >>> with TieredStore(dram="16MiB") as s:
+        ...     s.put("x", b"abc")
+        ...     s.tier_of("x") is Tier.DRAM
+        True
+    """
 
     HBM = 0
     DRAM = 1
@@ -32,7 +40,17 @@ class Tier(enum.IntEnum):
 
 
 class WriteMode(enum.Enum):
-    """Replication of a put in cluster mode (ignored by an embedded store)."""
+    """Replication of a put in cluster mode (ignored by an embedded store).
+
+    ``WRITE_THROUGH``: ``put`` returns once every replica holds the object;
+    ``ASYNC``: once the local copy is written, replicas follow; ``NONE``: no
+    replicas.  Strings name the same modes.
+
+    Examples:
+        >>> from yrcache import WriteMode
+        >>> WriteMode("async") is WriteMode.ASYNC
+        True
+    """
 
     WRITE_THROUGH = "write_through"
     ASYNC = "async"

@@ -7,11 +7,31 @@ a store name that does not exist.  Missing keys raise plain ``KeyError``.
 
 
 class YrcacheError(Exception):
-    """Base class of every yrcache error."""
+    """Base class of every yrcache error.
+
+    Examples:
+        >>> from yrcache import TieredStore, YrcacheError
+        >>> try:
+        ...     TieredStore.attach("no-such-store")
+        ... except YrcacheError as e:              # a StoreNotFoundError
+        ...     print(type(e).__name__)
+        StoreNotFoundError
+    """
 
 
 class StoreFullError(YrcacheError, MemoryError):
-    """No tier has room for the object (and the store may not drop any)."""
+    """No tier has room for the object (and the store may not drop any).
+
+    Examples:
+        >>> import numpy as np
+        >>> from yrcache import TieredStore, StoreFullError
+        >>> with TieredStore(dram="8MiB") as s:
+        ...     try:
+        ...         s["big"] = np.zeros(16 << 20, np.uint8)
+        ...     except StoreFullError:            # also a MemoryError
+        ...         print("full")
+        full
+    """
 
 
 class StoreClosedError(YrcacheError, RuntimeError):

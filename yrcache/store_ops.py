@@ -88,6 +88,7 @@ class StoreOps:
         ``value`` atomically.  No lock and no lookup after the first call.
 
         Examples:
+            >>> from yrcache import TieredStore
             >>> with TieredStore(dram="16MiB") as s:
             ...     w = s.word("ready")
             ...     seen = w.seq
@@ -105,6 +106,8 @@ class StoreOps:
         arrays and tensors; None when missing.  No pin, no read counted.
 
         Examples:
+            >>> import numpy as np
+            >>> from yrcache import TieredStore
             >>> with TieredStore(dram="16MiB") as s:
             ...     s["x"] = np.zeros((2, 3), np.float32)
             ...     i = s.info("x")
