@@ -26,7 +26,7 @@ def lint(session: nox.Session) -> None:
 @nox.session
 def typecheck(session: nox.Session) -> None:
     """mypy over the package (mypy.ini)."""
-    session.install("-e", ".[typecheck]")
+    session.install("-e", ".[typecheck,cluster]")
     session.run("mypy", "yrcache", *session.posargs)
 
 

@@ -1,0 +1,397 @@
+"""Cluster membership in etcd: lease-bound member keys and a watched member set.
+
+This is the only yrcache module that imports the etcd client (``etcd-sdk-python``,
+imported as ``pyetcd``; it needs ``protobuf`` too). etcd holds one key per member,
+``/yrcache/<cluster>/nodes/<member_id>``, whose JSON value is
+``{"address", "epoch", "pid"}`` and which is bound to a lease: a member that closes
+revokes it (the key goes at once), a member that dies stops refreshing it (the key
+goes after ``ttl``). No per-object metadata is ever written to etcd.
+
+Two daemon threads per :class:`Membership`:
+
+- keepalive: refreshes the lease every ``ttl / 3``; if the lease is gone (etcd
+  expired it while the process stalled, or someone deleted the key) it registers
+  again under a new lease, keeping the same ``epoch``.
+- watch: lists the prefix, then watches it from the listed revision + 1. No etcd
+  client re-arms a watch after an etcd restart, so when the stream breaks this
+  thread lists again and re-watches from the new revision + 1 (which also covers a
+  compacted revision), with backoff, until :meth:`Membership.close`.
+
+While etcd is unreachable, :meth:`Membership.members` keeps returning the last
+known set, membership changes wait, and :meth:`Membership.stats` says
+``"etcd": "unreachable"`` and since when. Nothing raised in a background thread
+leaks out; failures are logged at warning level, at most once per 5 s per kind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Callable, Union
+
+import pyetcd
+import pyetcd.events
+
+from yrcache.errors import ClusterUnavailableError
+
+__all__ = ["MemberInfo", "Membership", "parse_endpoints", "check_name", "MAX_NAME_LEN"]
+
+log = logging.getLogger(__name__)
+
+MAX_NAME_LEN = 128
+_LOG_EVERY_S = 5.0
+_MAX_BACKOFF_S = 0.5
+
+OnChange = Callable[[dict[str, "MemberInfo"]], None]
+
+
+@dataclass(frozen=True)
+class MemberInfo:
+    """One member as registered in etcd: its data address and start epoch.
+
+    ``epoch`` is the member process's start time in nanoseconds: a restarted member
+    (same id) shows a larger epoch, so peers can tell the incarnations apart.
+    """
+
+    member_id: str
+    address: str
+    epoch: int
+    pid: int
+
+
+def check_name(kind: str, value: object) -> str:
+    """Return ``value`` if it is a valid cluster name or member id, else raise.
+
+    Rules: a non-empty ``str`` of at most :data:`MAX_NAME_LEN` characters, with no
+    ``/`` (it would nest etcd keys), whitespace or control characters.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{kind} must be a str, not {type(value).__name__}")
+    if not value or len(value) > MAX_NAME_LEN:
+        raise ValueError(f"{kind} must be 1..{MAX_NAME_LEN} characters, got {len(value)}")
+    if "/" in value or any(c.isspace() or not c.isprintable() for c in value):
+        raise ValueError(f"{kind} {value!r} may not contain '/', whitespace or control characters")
+    return value
+
+
+def parse_endpoints(endpoints: Union[str, list[str]]) -> list[tuple[str, int]]:
+    """Parse etcd endpoints ``"host:port[,host:port...]"`` (or a list of them).
+
+    Only plain ``host:port`` is accepted (IPv6 as ``[::1]:2379``); a URL such as
+    ``etcd://host:port/cluster`` is the store's ``cluster=`` form and is split by
+    the caller into endpoints and cluster name before it gets here.
+    """
+    items = endpoints.split(",") if isinstance(endpoints, str) else list(endpoints)
+    out: list[tuple[str, int]] = []
+    for raw in items:
+        if not isinstance(raw, str):
+            raise TypeError(f"etcd endpoint must be a str 'host:port', not {type(raw).__name__}")
+        item = raw.strip()
+        if "://" in item or "/" in item:
+            raise ValueError(f"etcd endpoint {item!r}: give host:port, not a URL")
+        host, sep, port_s = item.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not sep or not host or not port_s.isdigit() or not 0 < int(port_s) < 65536:
+            raise ValueError(f"etcd endpoint {item!r} is not host:port (port 1..65535)")
+        out.append((host, int(port_s)))
+    if not out:
+        raise ValueError("no etcd endpoints given; pass 'host:port[,host:port]'")
+    return out
+
+
+class Membership:
+    """A member (or, with ``register=False``, a pure watcher) of one yrcache cluster.
+
+    ``on_change(members)`` is called from the watch thread with a fresh dict each
+    time the member set changes (also for the first listing); it must not block
+    for long. Use as a context manager or call :meth:`start` and :meth:`close`.
+    """
+
+    def __init__(self, endpoints: Union[str, list[str]], cluster: str, member_id: str,
+                 address: str, *, ttl: float = 10.0, on_change: OnChange | None = None,
+                 register: bool = True) -> None:
+        self._endpoints = parse_endpoints(endpoints)
+        self.cluster = check_name("cluster name", cluster)
+        self.member_id = check_name("member id", member_id)
+        if not isinstance(address, str) or not address or len(address) > 1024:
+            raise ValueError("address must be a non-empty str of at most 1024 characters")
+        if not isinstance(ttl, (int, float)) or not 1.0 <= ttl <= 3600.0:
+            raise ValueError(f"ttl must be between 1 and 3600 seconds, got {ttl!r}")
+        self.address = address
+        self.ttl = float(ttl)
+        self.register = register
+        self.prefix = f"/yrcache/{self.cluster}/nodes/"
+        self.key = self.prefix + self.member_id
+        self.epoch = time.time_ns()
+        self._on_change = on_change
+        self._rpc_timeout = max(0.5, min(self.ttl / 3, 5.0))
+        self._client: Any = None
+        self._lock = threading.Lock()
+        self._members: dict[str, MemberInfo] = {}
+        self._revision = 0
+        self._lease_id: int | None = None
+        self._check_key = threading.Event()   # the watch saw our key go: verify it
+        self._wake = threading.Event()        # wakes the keepalive thread early
+        self._stop = threading.Event()
+        self._events: queue.Queue[object] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._unreachable_since: float | None = None
+        self._last_error: str | None = None
+        self._last_log: dict[str, float] = {}
+        self._counts = {"watch_arms": 0, "registrations": 0, "lease_refreshes": 0}
+        self._state = "new"
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> Membership:
+        """Connect, register (unless ``register=False``), list the members, start threads.
+
+        Raises :class:`~yrcache.errors.ClusterUnavailableError` if etcd does not
+        answer now; nothing is left running then.
+        """
+        if self._state != "new":
+            raise RuntimeError(f"Membership {self.member_id!r} was already started")
+        self._client = self._make_client()
+        try:
+            if self.register:
+                self._register()
+            self._list()
+        except Exception as exc:
+            self._client.close()
+            self._state = "closed"
+            where = ",".join(f"{h}:{p}" for h, p in self._endpoints)
+            raise ClusterUnavailableError(
+                f"etcd at {where} did not answer ({exc!r}); start etcd there "
+                "or fix the endpoints") from exc
+        self._state = "running"
+        targets = [self._watch_loop] + ([self._keepalive_loop] if self.register else [])
+        for target in targets:
+            t = threading.Thread(target=target, daemon=True,
+                                 name=f"yrcache-{target.__name__[1:]}-{self.member_id}")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self) -> None:
+        """Stop the threads and revoke the lease, so peers see this member go at once.
+
+        Idempotent. If etcd is unreachable the key expires after ``ttl`` instead.
+        """
+        if self._state != "running":
+            self._state = "closed"
+            return
+        self._state = "closed"
+        self._stop.set()
+        self._wake.set()
+        self._events.put(None)
+        for t in self._threads:
+            t.join(timeout=self._rpc_timeout + 2.0)
+        lease_id, self._lease_id = self._lease_id, None
+        if lease_id is not None:
+            try:
+                self._client.revoke_lease(lease_id)
+            except Exception as exc:
+                log.warning("membership %s: could not revoke lease at close (%r); "
+                            "the key expires in %.0f s", self.member_id, exc, self.ttl)
+        try:
+            self._client.close()
+        except Exception:  # pragma: no cover - grpc close does not fail in practice
+            pass
+
+    def __enter__(self) -> Membership:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ---- queries ---------------------------------------------------------------
+    def members(self) -> dict[str, MemberInfo]:
+        """The current member set (a copy): the last known one while etcd is unreachable."""
+        with self._lock:
+            return dict(self._members)
+
+    def stats(self) -> dict[str, Any]:
+        """Health and counters: ``etcd`` is ``"ok"``, ``"unreachable"``, ``"new"`` or ``"closed"``."""
+        with self._lock:
+            if self._state != "running":
+                etcd = self._state
+            else:
+                etcd = "ok" if self._unreachable_since is None else "unreachable"
+            return {"etcd": etcd, "unreachable_since": self._unreachable_since,
+                    "members": len(self._members), "revision": self._revision,
+                    "lease_ttl": self.ttl, "lease_id": self._lease_id,
+                    "registered": self.register and self.member_id in self._members,
+                    "member_id": self.member_id, "cluster": self.cluster,
+                    "epoch": self.epoch, "last_error": self._last_error, **self._counts}
+
+    # ---- etcd plumbing ---------------------------------------------------------
+    def _make_client(self) -> Any:
+        # pyetcd marks an endpoint failed for time_retry (default 300 s) after one
+        # UNAVAILABLE and refuses it meanwhile; grpc's reconnect backoff grows to
+        # 120 s. Both would delay recovery after an etcd restart far past the TTL.
+        opts = [("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500)]
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.2, opts=opts)
+               for h, p in self._endpoints]
+        return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self._rpc_timeout,
+                                               failover=True)
+
+    def _value(self) -> str:
+        return json.dumps({"address": self.address, "epoch": self.epoch, "pid": os.getpid()})
+
+    def _register(self) -> None:
+        """Put our key under a fresh lease (the old one, if any, is gone)."""
+        lease = self._client.lease(max(1, math.ceil(self.ttl)))
+        self._client.put(self.key, self._value(), lease=lease.id)
+        self._lease_id = lease.id
+        self._counts["registrations"] += 1
+
+    def _ensure_key(self) -> None:
+        """Re-put our key if the watch saw it vanish while our lease still lives."""
+        _, meta = self._client.get(self.key)
+        if meta is None:
+            self._client.put(self.key, self._value(), lease=self._lease_id)
+
+    def _list(self) -> int:
+        """Replace the member set with a fresh listing; return its revision."""
+        resp = self._client.get_prefix_response(self.prefix)
+        members = {}
+        for kv in resp.kvs:
+            info = self._parse(kv.key, kv.value)
+            if info is not None:
+                members[info.member_id] = info
+        rev = int(resp.header.revision)
+        self._set_members(members, rev)
+        return rev
+
+    def _parse(self, key: bytes, value: bytes) -> MemberInfo | None:
+        mid = key.decode("utf-8", "replace")[len(self.prefix):]
+        try:
+            d = json.loads(value)
+            return MemberInfo(mid, str(d["address"]), int(d["epoch"]), int(d["pid"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            self._warn("parse", f"ignoring malformed member key {mid!r}: {exc!r}")
+            return None
+
+    def _set_members(self, members: dict[str, MemberInfo], rev: int) -> None:
+        with self._lock:
+            changed = members != self._members
+            self._members = members
+            self._revision = max(self._revision, rev)
+        self._ok()
+        if self.register and self._state == "running" and self.member_id not in members:
+            self._check_key.set()
+            self._wake.set()
+        if changed and self._on_change is not None:
+            try:
+                self._on_change(dict(members))
+            except Exception:
+                log.exception("membership %s: on_change callback failed", self.member_id)
+
+    def _apply(self, resp: Any) -> None:
+        members = self.members()
+        rev = int(resp.header.revision)
+        for ev in resp.events:
+            mid = ev.key.decode("utf-8", "replace")[len(self.prefix):]
+            if isinstance(ev, pyetcd.events.DeleteEvent):
+                members.pop(mid, None)
+            else:
+                info = self._parse(ev.key, ev.value)
+                if info is not None:
+                    members[mid] = info
+            rev = max(rev, int(ev.mod_revision))
+        self._set_members(members, rev)
+
+    # ---- health and logging ----------------------------------------------------
+    def _ok(self) -> None:
+        if self._unreachable_since is not None:
+            self._warn("reachable", "etcd reachable again after "
+                       f"{time.time() - self._unreachable_since:.1f} s")
+        with self._lock:
+            self._unreachable_since = None
+
+    def _failed(self, kind: str, exc: BaseException) -> None:
+        with self._lock:
+            if self._unreachable_since is None:
+                self._unreachable_since = time.time()
+            self._last_error = f"{kind}: {exc!r}"
+        self._warn(kind, f"etcd {kind} failed ({exc!r}); serving the last known "
+                   f"{len(self._members)} members, retrying")
+
+    def _warn(self, kind: str, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log.get(kind, -math.inf) >= _LOG_EVERY_S:
+            self._last_log[kind] = now
+            log.warning("membership %s: %s", self.member_id, msg)
+
+    # ---- threads ---------------------------------------------------------------
+    def _keepalive_loop(self) -> None:
+        period = self.ttl / 3
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                if self._lease_id is None:
+                    self._register()
+                else:
+                    resp = list(self._client.refresh_lease(self._lease_id))
+                    if not resp or resp[-1].TTL <= 0:
+                        self._warn("lease", f"lease {self._lease_id:x} expired; registering again")
+                        self._lease_id = None
+                        continue
+                    self._counts["lease_refreshes"] += 1
+                    if self._check_key.is_set():
+                        self._check_key.clear()
+                        self._ensure_key()
+                self._ok()
+                wait = period
+            except Exception as exc:
+                self._failed("keepalive", exc)
+                wait = min(period, _MAX_BACKOFF_S)
+            self._wake.wait(wait)   # early when closing or the watch saw our key vanish
+
+    def _watch_loop(self) -> None:
+        backoff = 0.05
+        first = True
+        while not self._stop.is_set():
+            watch_id = None
+            events: queue.Queue[object] = queue.Queue()
+            self._events = events
+            try:
+                # The first listing was done by start(); after a break, list again
+                # (etcd may have lost events to compaction) and watch from rev + 1.
+                rev = self._revision if first else self._list()
+                first = False
+                watch_id = self._client.add_watch_prefix_callback(
+                    self.prefix, events.put, start_revision=rev + 1)
+                self._counts["watch_arms"] += 1
+                self._ok()
+                backoff = 0.05
+                while not self._stop.is_set():
+                    try:
+                        item = events.get(timeout=1.0)
+                    except queue.Empty:
+                        continue
+                    if item is None or isinstance(item, BaseException):
+                        # None: the stream ended (the client reset it after an error).
+                        raise ConnectionError(f"watch stream broke: {item!r}")
+                    self._apply(item)
+            except Exception as exc:
+                if self._stop.is_set():
+                    break
+                self._failed("watch", exc)
+            if watch_id is not None:
+                try:
+                    self._client.cancel_watch(watch_id)
+                except Exception:
+                    pass
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
