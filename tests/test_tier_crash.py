@@ -480,3 +480,31 @@ def test_kill_mid_move_leaves_no_stray_file_after_adopt(cleanup_name, tmp_path, 
         assert s.stats()["tiers"]["ssd"]["used"] == VAL * len(on_ssd)
     finally:
         s.destroy()
+
+
+def test_copies_of_retired_stubs_survive_a_killed_drainer_listed(cleanup_name, tmp_path):
+    """A process killed while freeing the disk copies of retired stubs leaves
+    those stubs on the retire list (they leave it only once their bytes are
+    gone), so the next drain of any process deletes the copies: an attacher's
+    ``check()`` finds no stray copy, with no vacuum."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    name, ssd = cleanup_name, str(tmp_path / "ssd")
+    ready = ctx.Event()
+    p = ctx.Process(target=_die_at, args=(name, ssd, "index committed, old payload not unlinked", ready),
+                    daemon=True)
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        kill_and_join(p)
+        pytest.fail("the child never reached its drain")
+    assert p.exitcode == -signal.SIGKILL and ready.is_set()
+    s = TieredStore.attach(name)                       # no adopt: no vacuum
+    try:
+        s.check()                                      # its drain deletes the old copy
+        np.testing.assert_array_equal(s["old"], arr(51))
+        on_ssd = [k for k in s if s.tier_of(k) == Tier.SSD]
+        assert len(payload_files(ssd)) == len(on_ssd) == 1
+    finally:
+        s.close()

@@ -111,10 +111,8 @@ class Mover:
         when nothing is pending.  Returns how many were freed.
         """
         tiers = (1 << TIER_SSD if self.disk is not None else 0) | (1 << TIER_HBM if self.device is not None else 0)
-        done = self.a.drain_retired(tiers)
-        for rec, _key in done:
-            (self.ssd if rec.tier == TIER_SSD else self.hbm_tier).delete(rec.gen)
-        return len(done)
+        return self.a.drain_retired(
+            tiers, lambda rec: (self.ssd if rec.tier == TIER_SSD else self.hbm_tier).delete(rec.gen))
 
     def others_pending(self) -> bool:
         """Are retired stubs left that another process must serve (its HBM tensors)?"""
@@ -285,8 +283,9 @@ class Mover:
             kb = key.encode()
             res = a.reserve(kb, e.meta, e.nbytes, priority=e.priority, expire_at=e.expire_at or 0.0,
                             tier=TIER_SSD, gen=e.gen)
-            if res is not None and res.commit(0) is not None:
-                n += 1
+            if res is not None:
+                with res:
+                    n += res.commit(0) is not None
         return n
 
     def vacuum(self) -> int:

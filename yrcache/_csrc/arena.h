@@ -202,9 +202,14 @@ int  yr_set_flags(void *base, const char *key, uint32_t klen, uint64_t seq, uint
 
 /* the retire channel: stubs that left the index, whose bytes a process of
  * the right tier must free: SSD stubs (tiers bit YR_TIER_SSD) and HBM stubs
- * this slot holds (bit YR_TIER_HBM).  Records as yr_scan's. */
+ * this slot holds (bit YR_TIER_HBM).  Records as yr_scan's; the stubs stay
+ * listed until yr_release_retired, after their bytes are freed. */
 int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *recs,
                          uint32_t maxrecs, char *keybuf, uint64_t keybuflen);
+/* free the stubs of the retired objects with these generations, once their
+ * bytes are gone: a process that dies in between leaves them listed, and the
+ * next drain frees their bytes again (freeing is idempotent); how many */
+int64_t yr_release_retired(void *base, const uint64_t *gens, uint32_t n);
 uint64_t yr_retired_pending(void *base);
 
 /* keys starting with prefix, in byte order, from the sorted index: up to

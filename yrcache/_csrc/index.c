@@ -95,13 +95,29 @@ int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *
         r->klen = b->klen;
         memcpy(keybuf + pos, KEY(b), b->klen);
         pos += b->klen;
+        s = &b->next;                  /* stays listed until yr_release_retired */
+    }
+    unlock(h);
+    return n;
+}
+
+int64_t yr_release_retired(void *base, const uint64_t *gens, uint32_t n) {
+    hdr_t *h = H(base);
+    if (lock(h)) return YR_ELOCK;
+    int64_t freed = 0;
+    for (uint64_t *s = &h->retired_head; *s;) {
+        blk_t *b = AT(h, *s);
+        int hit = 0;
+        for (uint32_t i = 0; i < n && !hit; i++) hit = b->gen == gens[i];
+        if (!hit) { s = &b->next; continue; }
         uint64_t off = *s;
         *s = b->next;
         h->retired_count--;
         free_block(h, off);
+        freed++;
     }
     unlock(h);
-    return n;
+    return freed;
 }
 
 uint64_t yr_retired_pending(void *base) {

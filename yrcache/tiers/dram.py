@@ -96,12 +96,11 @@ class Reservation:
 
     def commit(self, expected: int = ANY_SEQ):
         """Publish the object; what it replaced (a ``yr_retired``), or None if
-        the key is no longer the object ``expected`` (then the block is freed)."""
+        the key is no longer the object ``expected``."""
         a = self.arena
         out = ffi.new("yr_retired *")
         rc = lib.yr_commit(a.base, a.slot, self.block, expected, out)
-        if rc == lib.YR_ECHANGED:
-            self.abort()
+        if rc == lib.YR_ECHANGED:     # still reserved: the caller's ``with`` (or abort()) frees it
             return None
         check(rc, "commit")
         self.done = True
@@ -565,19 +564,19 @@ class Arena:
             if cursor[0] == 0:
                 return
 
-    def drain_retired(self, tiers: int) -> list[tuple[ScanRec, str]]:
-        """Take (and free the stubs of) the retired objects of ``tiers`` this
-        process must free the bytes of.  O(1) when nothing is pending."""
-        if not lib.yr_retired_pending(self.base):
-            return []
-        recs = ffi.new("yr_scanrec[]", 256)
-        keys = ffi.new("char[]", 256 * 1024)
-        out = []
-        while True:
+    def drain_retired(self, tiers: int, free: Callable[[ScanRec], Any]) -> int:
+        """``free(record)`` the bytes of each retired object of ``tiers`` this
+        process must serve, then drop their stubs (a process killed in between
+        leaves them listed: the next drain frees again).  O(1) if none pending."""
+        recs, keys, n, done = ffi.new("yr_scanrec[]", 256), ffi.new("char[]", 256 * 1024), 256, 0
+        while n == 256 and lib.yr_retired_pending(self.base):
             n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
-            out += _records(recs, keys, 256 * 1024, n)
-            if n < 256:
-                return out
+            batch = _records(recs, keys, 256 * 1024, n)
+            for rec, _key in batch:
+                free(rec)
+            lib.yr_release_retired(self.base, [rec.gen for rec, _key in batch], n)
+            done += n
+        return done
 
     def retired_pending(self) -> int:
         return lib.yr_retired_pending(self.base)
