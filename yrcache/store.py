@@ -15,7 +15,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,7 +40,6 @@ __all__ = ["TieredStore", "Tier", "WriteMode", "key_bytes"]
 HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 _MISSING = object()
 _PLAIN_TYPES = (np.ndarray, bytes, bytearray)
-_Out = TypeVar("_Out")
 
 
 class TieredStore(StoreOps, MutableMapping[str, Value]):
@@ -435,45 +434,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         out = [self.get(kbs[i].decode()) if v is RETRY else v for i, v in enumerate(out)]
         return [codec.private_copy(v) for v in out] if copy else out
 
-    def get_into(self, key: str, out: _Out) -> _Out:
-        """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
-
-        One copy, straight from the arena; ``out`` must have the stored
-        number of bytes (and, for arrays and tensors, the stored shape and
-        dtype, numpy and torch dtypes compared by meaning: it copies bytes, it
-        never casts; see ``codec.check_into``).  Returns ``out``.  Raises
-        ``KeyError`` when missing, ``ValueError`` when ``out`` does not fit.
-
-        Examples:
-            >>> with TieredStore(dram="16MiB") as s:
-            ...     s["k"] = np.arange(4, dtype=np.int64)
-            ...     out = np.empty(4, dtype=np.int64)
-            ...     s.get_into("k", out).tolist()
-            [0, 1, 2, 3]
-        """
-        a = self._a
-        info = a.get(key_bytes(key))
-        if info is None:
-            raise KeyError(key)
-        try:
-            meta = a.meta(info)
-            codec.check_into(key, meta, out, info.nbytes)
-            if info.tier == TIER_DRAM:
-                if codec.is_tensor(out) and out.device.type == "cuda":
-                    self.pin_host_memory()
-                codec.copy_bytes(a.payload(info), out)
-                return out
-        finally:
-            a.unpin(info.pin)
-        value = self.get(key, _MISSING)     # on SSD or in HBM: read it, then copy
-        if value is _MISSING:
-            raise KeyError(key)
-        if codec.is_tensor(value) and value.device.type != "cpu" and codec.is_tensor(out):
-            out.copy_(value)          # an HBM tensor of this process: device to device
-        else:
-            codec.copy_bytes(codec.flat_bytes(value), out)
-        return out
-
     def __contains__(self, key: object) -> bool:
         """``key in store``: O(1), without reading the value; False for anything not a valid key."""
         if not isinstance(key, str):
@@ -535,8 +495,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         a = self._a
         a.expire(time.time())
         return a.stats().objects
-
-    # --------------------------------------------------------------- stats
 
     # ------------------------------------------------------------ lifecycle
 

@@ -1,17 +1,18 @@
 """The store's operations beside the mapping protocol: what is where, stats,
 checks, named words and memory hints.  ``TieredStore`` inherits them
-(``store.py`` keeps the facade's core: puts, reads, deletes, keys, life cycle).
+(``store.py`` keeps the facade's core: puts, reads, deletes, keys, life cycle),
+and ``get_into``, the read into a caller's buffer.
 """
 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import codec
 from .config import Tier
 from .errors import YrcacheError
-from .tiers.dram import Word
+from .tiers.dram import TIER_DRAM, Word
 from .types import Value
 from .validate import key_bytes
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from .tiers.dram import Arena
 
 _WORD_PREFIX = "user/"
+_MISSING = object()
+_Out = TypeVar("_Out")
 
 
 class StoreOps:
@@ -38,6 +41,8 @@ class StoreOps:
 
         @property
         def _hbm(self) -> HbmOwner | None: ...
+
+        def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any: ...
 
         def _check_open(self) -> None: ...
 
@@ -99,6 +104,47 @@ class StoreOps:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 200 or "\x00" in name:
             raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
         return self._a.word(_WORD_PREFIX + name)
+
+    def get_into(self, key: str, out: _Out) -> _Out:
+        """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
+
+        One copy, straight from the arena; ``out`` must have the stored
+        number of bytes (and, for arrays and tensors, the stored shape and
+        dtype, numpy and torch dtypes compared by meaning: it copies bytes, it
+        never casts; see ``codec.check_into``).  Returns ``out``.  Raises
+        ``KeyError`` when missing, ``ValueError`` when ``out`` does not fit.
+
+        Examples:
+            >>> import numpy as np
+            >>> from yrcache import TieredStore
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s["k"] = np.arange(4, dtype=np.int64)
+            ...     out = np.empty(4, dtype=np.int64)
+            ...     s.get_into("k", out).tolist()
+            [0, 1, 2, 3]
+        """
+        a = self._a
+        info = a.get(key_bytes(key))
+        if info is None:
+            raise KeyError(key)
+        try:
+            meta = a.meta(info)
+            codec.check_into(key, meta, out, info.nbytes)
+            if info.tier == TIER_DRAM:
+                if codec.is_tensor(out) and out.device.type == "cuda":
+                    self.pin_host_memory()
+                codec.copy_bytes(a.payload(info), out)
+                return out
+        finally:
+            a.unpin(info.pin)
+        value = self.get(key, _MISSING)     # on SSD or in HBM: read it, then copy
+        if value is _MISSING:
+            raise KeyError(key)
+        if codec.is_tensor(value) and value.device.type != "cpu" and codec.is_tensor(out):
+            out.copy_(value)          # an HBM tensor of this process: device to device
+        else:
+            codec.copy_bytes(codec.flat_bytes(value), out)
+        return out
 
     def info(self, key: str) -> dict[str, Any] | None:
         """What is stored under ``key``, without reading it: ``{"tier", "nbytes",
