@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .codec import _numpy_twin, _torch_twin
 from .errors import UntrustedStoreError, YrcacheError
 
 # A cached sample is one store object: a flat uint8 tensor holding
@@ -186,25 +187,6 @@ def _check_dtype(name: str) -> Any:
     if not isinstance(dt, torch.dtype):
         raise YrcacheError(f"unknown torch dtype {name!r} in a cached sample")
     return dt
-
-
-@lru_cache(maxsize=None)
-def _torch_twin(dt: np.dtype) -> Any:
-    """torch's dtype for numpy dtype ``dt`` (as torch.from_numpy maps it), or None."""
-    try:
-        return _torch().from_numpy(np.empty(0, dtype=dt)).dtype
-    except TypeError:
-        return None
-
-
-@lru_cache(maxsize=None)
-def _numpy_twin(tdt: Any) -> np.dtype | None:
-    """numpy's dtype for torch dtype ``tdt``, or None (bfloat16, float8, complex32...)."""
-    try:
-        dt = np.dtype(str(tdt).replace("torch.", ""))
-    except TypeError:
-        return None
-    return dt if _torch_twin(dt) == tdt else None
 
 
 def _compile(node: list[Any], base: int, to_tensor: bool, allow_pickle: bool) -> _Plan:
