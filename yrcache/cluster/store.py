@@ -1,0 +1,427 @@
+"""``TieredStore`` in cluster mode: the same mapping API, routed to the key's owners.
+
+``TieredStore(cluster="etcd://host:port/name")`` (or ``TieredStore()`` with
+``YRCACHE_ETCD`` set) returns a :class:`ClusterStore`. Per machine, one process is
+the member: the first one to create the node's arena (``YRCACHE_NAME``) serves it
+on the data port and registers in etcd. Other processes with the same environment
+attach to that arena: they read what the node holds zero-copy and send writes to
+the owners. ``member=False`` (``YRCACHE_MEMBER=0``) is a pure client: no arena,
+every operation over TCP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+from urllib.parse import urlparse
+
+from .. import codec
+from ..config import Tier, WriteMode, write_mode as _write_mode
+from ..errors import ClusterUnavailableError, StoreClosedError
+from ..store import TieredStore
+from ..types import Value
+from ..validate import expire_at as _expire_at, key_bytes, priority as _priority
+from . import transport as tp
+from .membership import Membership, check_name
+from .replication import Node, Router, decode
+
+log = logging.getLogger("yrcache.cluster")
+
+_MISSING = object()
+_ENV_TRUE = ("1", "true", "yes", "on")
+
+
+def parse_cluster(cluster: str | None) -> tuple[str, str]:
+    """``etcd://h:p[,h:p]/name`` (or the environment) -> ``(endpoints, cluster name)``."""
+    if cluster:
+        if not isinstance(cluster, str) or not cluster.startswith("etcd://"):
+            raise ValueError(f"cluster= takes 'etcd://host:port[,host:port]/name', got {cluster!r}")
+        u = urlparse(cluster)
+        name = u.path.strip("/") or os.environ.get("YRCACHE_CLUSTER") or "default"
+        return u.netloc, name
+    return os.environ["YRCACHE_ETCD"], os.environ.get("YRCACHE_CLUSTER") or "default"
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+class ClusterStore(TieredStore):
+    """A :class:`~yrcache.TieredStore` whose keys live on an etcd-coordinated cluster.
+
+    ``role`` is ``"member"`` (this process serves the node's arena), ``"attached"``
+    (another process of this machine does) or ``"client"`` (``member=False``).
+    """
+
+    def __init__(self, name: str | None = None, *, cluster: str | None = None, listen: str | None = None,
+                 replicas: int | None = None, write_mode: WriteMode | str | None = None,
+                 member: bool | None = None, token: str | None = None, lease_ttl: float | None = None,
+                 pickle: bool = False, **local: Any) -> None:
+        self._closed = False
+        self._local: TieredStore | None = None
+        self._membership: Membership | None = None
+        self._server: tp.Server | None = None
+        self._node: Node | None = None
+        endpoints, self.cluster = parse_cluster(cluster)
+        check_name("cluster name", self.cluster)
+        self._args = dict(name=name, cluster=cluster, listen=listen, replicas=replicas, write_mode=write_mode,
+                          member=member, token=token, lease_ttl=lease_ttl, pickle=pickle, **local)
+        self._pickle = bool(pickle)
+        self.replicas = replicas if replicas is not None else _env_int("YRCACHE_REPLICAS", 2)
+        if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
+            raise ValueError(f"replicas must be an int from 1 to 16, got {self.replicas!r}")
+        self._write_mode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
+            or WriteMode.WRITE_THROUGH
+        if member is None:
+            member = os.environ.get("YRCACHE_MEMBER", "1").lower() in _ENV_TRUE
+        tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
+        token_b = tok.encode() if tok else None
+        ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
+        self.name = name or os.environ.get("YRCACHE_NAME") or f"yrcache-{self.cluster}"
+        self._router = Router(self.replicas, token_b)
+        try:
+            if not member:
+                self.role = "client"
+                self._watch(endpoints, ttl)
+                return
+            try:
+                self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)  # type: ignore[arg-type]
+                self.role = "member"
+            except FileExistsError:
+                self._local = TieredStore.attach(self.name, pickle=pickle)
+                self.role = "attached"
+            if self.role == "member":
+                self._serve(endpoints, ttl, listen, token_b)
+            else:
+                self._router.member_id = self._wait_member_id()
+                self._watch(endpoints, ttl)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- set-up ------------------------------------------------------------------------
+    def _serve(self, endpoints: str, ttl: float, listen: str | None, token: bytes | None) -> None:
+        assert self._local is not None
+        member_id = check_name("member id", os.environ.get("YRCACHE_NODE_ID")
+                               or f"{socket.gethostname()}-{self.name}")
+        router = self._router
+        router.member_id = member_id
+        self._node = router.node = Node(self._local, member_id, router)
+        router.on_change.append(self._node.rebalancer.poke)
+        self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
+        address = os.environ.get("YRCACHE_ADVERTISE") or self._server.address
+        self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
+                                      on_change=router.update).start()
+        router.update(self._membership.members())
+        cfg = dict(self._local._config)
+        cfg.update(cluster_member=member_id, cluster_address=address)
+        self._local._a.write_config(cfg)
+        self.member_id = member_id
+        self.address = address
+
+    def _watch(self, endpoints: str, ttl: float) -> None:
+        self._membership = Membership(endpoints, self.cluster, f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                      "-", ttl=ttl, on_change=self._router.update, register=False).start()
+        self._router.update(self._membership.members())
+        self.member_id = self._router.member_id
+        self.address = None
+
+    def _wait_member_id(self) -> str:
+        assert self._local is not None
+        end = time.monotonic() + 30
+        while True:
+            cfg = self._local._a.read_config() or {}
+            if cfg.get("cluster_member"):
+                return str(cfg["cluster_member"])
+            if time.monotonic() > end:
+                raise ClusterUnavailableError(
+                    f"store {self.name!r} exists on this machine but its process never joined the cluster; "
+                    "is it a cluster store? (same YRCACHE_ETCD for every process of a node)")
+            time.sleep(0.02)
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"cluster store {self.name!r} is closed")
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _mode(self, write_mode: WriteMode | str | None) -> WriteMode:
+        return _write_mode(write_mode) or self._write_mode
+
+    def _encode(self, value: Value) -> tuple[bytes, Any, int]:
+        meta, payload, nbytes = codec.encode(value, self._pickle)
+        if meta[:1] == b"P":
+            raise TypeError(f"cannot send a {type(value).__name__} to the cluster: pickled objects never travel "
+                            "between members; store bytes, numpy arrays or tensors")
+        return meta, payload, nbytes
+
+    def _local_get(self, key: str) -> Any:
+        if self._local is None or self._router.member_id not in self._router.members:
+            return None
+        return self._local.get(key)
+
+    # ---- writes ------------------------------------------------------------------------
+    def put(self, key: str, value: Value, tier: Tier | None = None, priority: int = 0,
+            ttl: float | None = None, write_mode: WriteMode | str | None = None,
+            sync_timeout: float | None = None) -> None:
+        """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
+        self._check_open()
+        key_bytes(key)
+        meta, payload, nbytes = self._encode(value)
+        self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
+                         self._mode(write_mode), sync_timeout)
+
+    def __setitem__(self, key: str, value: Value) -> None:
+        self.put(key, value)
+
+    def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
+             priority: int = 0, ttl: float | None = None, write_mode: WriteMode | str | None = None,
+             sync_timeout: float | None = None) -> None:
+        """Put several values, pipelined per owner; each is atomic, the batch is not."""
+        self._check_open()
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        for k, _ in pairs:
+            key_bytes(k)
+        pr, exp, mode = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode)
+        router = self._router
+        router._need_members()
+        by_member: dict[str, list] = {}
+        flags = 0
+        for k, v in pairs:
+            meta, payload, nbytes = self._encode(v)
+            version = router.clock.next()
+            if mode is WriteMode.ASYNC:
+                targets = [router.member_id if router.member_id in router.members else router.owners(k)[0]]
+                flags = tp.F_REPLICATE
+            else:
+                targets = router.owners(k, 1 if mode is WriteMode.NONE else None)
+            for m in targets:
+                by_member.setdefault(m, []).append((k, meta, payload, nbytes, version, pr, exp))
+        failed = []
+        for m, batch in by_member.items():
+            try:
+                if self._node is not None and m == self._node.member_id:
+                    for k, meta, payload, nbytes, version, p, e in batch:
+                        router.put_to(m, k, meta, payload, nbytes, version, p, e, flags)
+                    continue
+                peer = router.peer(m)
+                if peer is None:
+                    raise ClusterUnavailableError(f"member {m} left the cluster")
+                for i in range(0, len(batch), 256):
+                    peer.mput(batch[i:i + 256], flags=flags, timeout=sync_timeout)
+            except ClusterUnavailableError as e:
+                failed.append(f"{m} ({e})")
+        if failed:
+            raise ClusterUnavailableError(f"mset: owners did not take their writes: {'; '.join(failed)}")
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` from every member; True if one held it."""
+        self._check_open()
+        key_bytes(key)
+        return self._router.delete(key)
+
+    def __delitem__(self, key: str) -> None:
+        if not self.delete(key):
+            raise KeyError(key)
+
+    def clear(self) -> None:
+        for k in list(self.keys()):
+            self.delete(k)
+
+    # ---- reads -------------------------------------------------------------------------
+    def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
+        """The value of ``key``: zero-copy from this node's arena when it holds one, else
+        fetched from an owner (fail-over to the next) into a private buffer."""
+        self._check_open()
+        key_bytes(key)
+        value = self._local_get(key)
+        if value is None:
+            got = self._router.read(key, skip=self._router.member_id if self._local is not None else None)
+            if got is None:
+                return default
+            meta, buf, _ = got
+            return decode(meta, buf, len(buf))
+        return codec.private_copy(value) if copy else value
+
+    def read_range(self, key: str, offset: int, length: int) -> memoryview | None:
+        """Bytes ``[offset, offset + length)`` of ``key``'s payload (only those travel), or None."""
+        self._check_open()
+        key_bytes(key)
+        if offset < 0 or length < 0:
+            raise ValueError("offset and length must be >= 0")
+        value = self._local_get(key)
+        if value is not None:
+            return memoryview(codec.flat_bytes(value))[offset:offset + length].toreadonly()
+        got = self._router.read(key, offset, length, skip=self._router.member_id if self._local else None)
+        return None if got is None else memoryview(got[1]).toreadonly()
+
+    def __getitem__(self, key: str) -> Value:
+        v = self.get(key, _MISSING)
+        if v is _MISSING:
+            raise KeyError(key)
+        return v
+
+    def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Value | None]:
+        """Values of ``keys`` (None where missing): local ones zero-copy, the rest pipelined per owner."""
+        self._check_open()
+        keys = list(keys)
+        out: list[Any] = [None] * len(keys)
+        router = self._router
+        todo: dict[str, list[int]] = {}
+        for i, k in enumerate(keys):
+            key_bytes(k)
+            v = self._local_get(k)
+            if v is not None:
+                out[i] = codec.private_copy(v) if copy else v
+            else:
+                owners = router.owners(k)
+                if owners:
+                    todo.setdefault(owners[0], []).append(i)
+        for m, idx in todo.items():
+            got: list[Any] = [None] * len(idx)
+            peer = router.peer(m) if m != router.member_id or self._node is None else None
+            if peer is not None:
+                try:
+                    got = peer.mget([keys[i] for i in idx])
+                except ClusterUnavailableError:
+                    pass
+            for i, g in zip(idx, got):
+                if g is None:
+                    g = router.read(keys[i])         # fail-over, or still moving
+                if g is not None:
+                    out[i] = decode(g[0], g[1], len(g[1]))
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        self._check_open()
+        if self._local_get(key) is not None:
+            return True
+        return self._router.read(key, 0, 0) is not None
+
+    def keys(self, prefix: str = "") -> Iterator[str]:  # type: ignore[override]
+        """Every key on the cluster (a union over the members), sorted."""
+        self._check_open()
+        return iter(sorted(self._router.keys(prefix)))
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def __len__(self) -> int:
+        return len(self._router.keys(""))
+
+    # ---- the rest of the store API -----------------------------------------------------
+    def get_into(self, key: str, out: Any) -> Any:
+        value = self.get(key, _MISSING)
+        if value is _MISSING:
+            raise KeyError(key)
+        codec.check_into(key, codec.encode(value)[0], out, codec.flat_bytes(value).nbytes)
+        codec.copy_bytes(codec.flat_bytes(value), out)
+        return out
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every member has forwarded what it queued (``ASYNC`` writes, hand-overs)."""
+        self._check_open()
+        if self._local is not None:
+            self._local.flush()
+        if not self._router.flush(timeout):
+            raise TimeoutError(f"replication did not finish within {timeout:g} s (a member may be down)")
+
+    def stats(self) -> dict[str, Any]:
+        """This process's role, the membership state and every member's objects, bytes and backlog."""
+        self._check_open()
+        members = self._router.stats()
+        return {"name": self.name, "cluster": self.cluster, "role": self.role, "member_id": self.member_id,
+                "replicas": self.replicas, "write_mode": self._write_mode.value,
+                "etcd": self._membership.stats() if self._membership else None,
+                "members": members,
+                "under_replicated": sum(m.get("under_replicated", 0) for m in members),
+                "local": self._local.stats() if self._local is not None else None}
+
+    def info(self, key: str) -> dict[str, Any] | None:
+        self._check_open()
+        if self._local is not None and self._local_get(key) is not None:
+            return self._local.info(key)
+        got = self._router.read(key, 0, 0)
+        return None if got is None else {"tier": None, "kind": codec.describe(got[0])["kind"], "remote": True}
+
+    def word(self, name: str) -> Any:
+        if self._local is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no local words")
+        return self._local.word(name)
+
+    def pin_host_memory(self) -> None:
+        if self._local is not None:
+            self._local.pin_host_memory()
+
+    # ---- life cycle --------------------------------------------------------------------
+    def close(self, handover: bool = False) -> None:
+        """Leave the cluster and release this handle. ``handover=True`` (a member only)
+        first moves this node's objects to their other owners (``yrcache node`` on SIGTERM)."""
+        if self._closed:
+            return
+        self._closed = True
+        if handover and self._node is not None and self._membership is not None:
+            self._handover()
+        for part in (self._membership, self._server):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception as e:      # noqa: BLE001 - close the rest regardless
+                    log.warning("closing %s: %s", type(part).__name__, e)
+        if self._node is not None:
+            self._node.close()
+        self._router.close()
+        if self._local is not None:
+            self._local.close()
+
+    def _handover(self) -> None:
+        """Leave the ring, then ship every object to its owners without us."""
+        assert self._node is not None and self._membership is not None
+        router, me = self._router, self._node.member_id
+        router.update({m: i for m, i in router.members.items() if m != me})
+        if not router.members:
+            return
+        n = len(self._node.versions)
+        log.info("handing %d objects over before leaving", n)
+        self._node.rebalancer.run_pass()
+        self._node.forwarder.wait(120.0)
+        log.info("handed over; %d objects left here", len(self._node.versions))
+
+    def destroy(self) -> None:
+        local = self._local
+        self.close()
+        if local is not None and self.role == "member":
+            local.destroy()
+
+    def __reduce__(self):
+        return (_rebuild, (self._args,))
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"{self.role} of {len(self._router.members)} members"
+        return f"<ClusterStore {self.name!r} cluster={self.cluster!r} {state}>"
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _rebuild(args: dict) -> ClusterStore:
+    return ClusterStore(**args)

@@ -1,0 +1,569 @@
+"""The cluster data plane: a framed binary protocol over TCP.
+
+Every message is one fixed 72-byte header (:data:`HDR`), then the key, the codec
+header (``meta``) and the payload, whose lengths the header gives. Nothing on the
+wire is ever unpickled: a header is ``struct``-unpacked and checked against
+limits (:data:`MAX_KEY`, :data:`MAX_META`, :data:`MAX_PAYLOAD`) before a byte of
+its body is read, and garbage, an oversized or a truncated frame closes that one
+connection; the server goes on serving the others.
+
+A connection starts with a challenge: the server sends a random nonce and the
+client answers with ``HMAC-SHA256(token, nonce)`` (``YRCACHE_TOKEN``; an empty
+token when none is set, which is why a server without a token binds loopback
+only). A wrong answer gets one refusal byte and a closed socket, which the
+client raises as :class:`~yrcache.errors.AuthenticationError`.
+
+Payloads travel without extra copies: the server hands a ``fill(dst)`` callback
+to its handler, which receives with ``recv_into`` straight into the reserved
+arena block; replies are sent from the pinned arena view. Batches (``mset``,
+``mget``, hand-over) are pipelined: every request frame goes out first, then
+every reply is read, so a batch of 100 costs about one round trip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from ..errors import AuthenticationError, ClusterUnavailableError, YrcacheError
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"YR"
+PROTO = 1
+# magic, proto, op, flags, status, klen, mlen, plen, hlc, writer, priority, expire_at, offset, length
+HDR = struct.Struct("<2sBBHHIIQQQqdQQ")
+assert HDR.size == 72
+MAX_KEY = 1024                  # validate.MAX_KEY_BYTES
+MAX_META = 4096                 # codec.MAX_META
+MAX_PAYLOAD = 1 << 40           # a frame larger than this is garbage, not an object
+MAX_LIST = 64 << 20             # a KEYS/HAVE body
+NONCE = 32
+ALL = (1 << 64) - 1             # length of a read that wants the whole object
+
+# ops
+PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING = range(1, 9)
+OP_NAMES = {PUT: "put", GET: "get", DELETE: "delete", KEYS: "keys", HAVE: "have", STAT: "stat",
+            FLUSH: "flush", PING: "ping"}
+# flags
+F_REPLICATE = 1                 # put: the receiver forwards the object to the key's other owners
+# statuses
+OK, NOT_FOUND, STALE, FULL, ERROR = range(5)
+
+_ENTRY = struct.Struct("<HQQ")  # a KEYS/HAVE entry: klen, hlc, writer (then the key)
+
+
+class ProtocolError(YrcacheError, ConnectionError):
+    """A peer sent something that is not a valid yrcache frame."""
+
+
+class RemoteError(YrcacheError, RuntimeError):
+    """A peer answered a request with an error (its message says which)."""
+
+    def __init__(self, msg: str, status: int = ERROR):
+        super().__init__(msg)
+        self.status = status
+
+
+class Frame(NamedTuple):
+    """A decoded request or reply header plus its key and codec header."""
+    op: int
+    flags: int
+    status: int
+    key: str
+    meta: bytes
+    plen: int
+    version: tuple[int, int]
+    priority: int
+    expire_at: float
+    offset: int
+    length: int
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``"host:port"`` (IPv6 as ``[::1]:port``) -> ``(host, port)``; raise ``ValueError`` otherwise."""
+    if not isinstance(address, str):
+        raise TypeError(f"an address is a str 'host:port', not {type(address).__name__}")
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not host:port (port 0..65535)")
+    return host, int(port)
+
+
+def proof(token: bytes, nonce: bytes) -> bytes:
+    return hmac.new(token, b"yrcache-v1" + nonce, hashlib.sha256).digest()
+
+
+def pack(op: int, key: bytes = b"", meta: bytes = b"", plen: int = 0, *, flags: int = 0, status: int = 0,
+         version: tuple[int, int] = (0, 0), priority: int = 0, expire_at: float = 0.0,
+         offset: int = 0, length: int = 0) -> bytes:
+    """One frame's header, key and meta (the payload, if any, is sent after them)."""
+    return HDR.pack(MAGIC, PROTO, op, flags, status, len(key), len(meta), plen, version[0], version[1],
+                    priority, expire_at, offset, length) + key + meta
+
+
+def recv_exact(sock: socket.socket, buf: Any) -> None:
+    """Fill the writable buffer ``buf`` from ``sock`` or raise ``ConnectionError``."""
+    view = memoryview(buf).cast("B")
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if not k:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += k
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes (the body of a put that lost to a newer version)."""
+    scratch = bytearray(min(n, 1 << 20))
+    while n:
+        k = min(n, len(scratch))
+        recv_exact(sock, memoryview(scratch)[:k])
+        n -= k
+
+
+def read_frame(sock: socket.socket, hdr: bytearray | None = None) -> Frame:
+    """Read and check one header, its key and meta; the payload is left on the socket."""
+    hdr = hdr if hdr is not None else bytearray(HDR.size)
+    recv_exact(sock, hdr)
+    (magic, proto, op, flags, status, klen, mlen, plen, hlc, writer, priority, expire_at,
+     offset, length) = HDR.unpack(hdr)
+    if magic != MAGIC or proto != PROTO:
+        raise ProtocolError(f"not a yrcache frame (magic {bytes(magic)!r}, protocol {proto})")
+    if op not in OP_NAMES or klen > MAX_KEY or mlen > MAX_META or plen > MAX_PAYLOAD:
+        raise ProtocolError(f"bad frame: op {op}, key {klen} B, meta {mlen} B, payload {plen} B")
+    body = bytearray(klen + mlen)
+    if body:
+        recv_exact(sock, body)
+    try:
+        key = body[:klen].decode()
+    except UnicodeDecodeError:
+        raise ProtocolError("a frame's key is not UTF-8") from None
+    return Frame(op, flags, status, key, bytes(body[klen:]), plen, (hlc, writer), priority, expire_at,
+                 offset, length)
+
+
+def encode_entries(entries: Iterable[tuple[str, tuple[int, int]]]) -> bytes:
+    """``[(key, (hlc, writer))]`` -> the body of a KEYS reply or a HAVE request."""
+    out = bytearray()
+    for key, (hlc, writer) in entries:
+        kb = key.encode()
+        out += _ENTRY.pack(len(kb), hlc, writer)
+        out += kb
+    return bytes(out)
+
+
+def decode_entries(body: bytes | bytearray | memoryview) -> list[tuple[str, tuple[int, int]]]:
+    out = []
+    pos, n = 0, len(body)
+    while pos < n:
+        if pos + _ENTRY.size > n:
+            raise ProtocolError("truncated entry list")
+        klen, hlc, writer = _ENTRY.unpack_from(body, pos)
+        pos += _ENTRY.size
+        if klen > MAX_KEY or pos + klen > n:
+            raise ProtocolError("bad entry in an entry list")
+        out.append((bytes(body[pos:pos + klen]).decode(), (hlc, writer)))
+        pos += klen
+    return out
+
+
+# ---- server ------------------------------------------------------------------------
+class Handler:
+    """What a :class:`Server` calls; a member's node implements it (see replication.py).
+
+    Methods run on the connection's thread and may block; an exception other than
+    a ``ConnectionError`` is answered with ``ERROR`` and its message.
+    """
+
+    def put(self, f: Frame, fill: Callable[[Any], None], skip: Callable[[], None]) -> int:
+        """Store ``f``'s payload by calling ``fill(dst)`` once (or ``skip()``); return a status."""
+        raise NotImplementedError
+
+    def get(self, f: Frame) -> tuple[bytes, Any, tuple[int, int]] | None:
+        """``(meta, payload buffer, version)`` of ``f.key``'s ``[offset, offset+length)``, or None."""
+        raise NotImplementedError
+
+    def delete(self, f: Frame) -> int:
+        raise NotImplementedError
+
+    def keys(self, prefix: str) -> list[tuple[str, tuple[int, int]]]:
+        raise NotImplementedError
+
+    def have(self, entries: list[tuple[str, tuple[int, int]]]) -> bytes:
+        """One byte per entry: 1 if this member holds that version or a newer one."""
+        raise NotImplementedError
+
+    def stat(self) -> bytes:
+        raise NotImplementedError
+
+    def flush(self, timeout: float) -> bool:
+        raise NotImplementedError
+
+
+class Server:
+    """A thread-per-connection TCP server for one member's :class:`Handler`."""
+
+    def __init__(self, handler: Handler, listen: str = "127.0.0.1:0", token: bytes | None = None):
+        host, port = split_address(listen)
+        if not token and not is_loopback(host):
+            raise ValueError(
+                f"refusing to serve {listen!r} without a token: any host could read and write the "
+                "store. Set YRCACHE_TOKEN (the same secret on every member and client), or listen "
+                "on 127.0.0.1")
+        self.handler = handler
+        self.token = token or b""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(128)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.errors = 0                   # connections closed for bad frames or auth
+        self._thread = threading.Thread(target=self._accept_loop, name="yrcache-accept", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=5)
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="yrcache-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(10.0)
+            nonce = os.urandom(NONCE)
+            conn.sendall(MAGIC + bytes([PROTO]) + nonce)
+            answer = bytearray(NONCE)
+            recv_exact(conn, answer)
+            if not hmac.compare_digest(bytes(answer), proof(self.token, nonce)):
+                self.errors += 1
+                conn.sendall(b"\x01")
+                return
+            conn.sendall(b"\x00")
+            conn.settimeout(None)
+            hdr = bytearray(HDR.size)
+            while not self._closed:
+                self._one(conn, read_frame(conn, hdr))
+        except ProtocolError as e:
+            self.errors += 1
+            log.warning("closing a data connection: %s", e)
+        except (ConnectionError, OSError, TimeoutError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _one(self, conn: socket.socket, f: Frame) -> None:
+        h = self.handler
+        if f.op != PUT and f.plen:
+            if f.op != HAVE or f.plen > MAX_LIST:
+                raise ProtocolError(f"a {OP_NAMES[f.op]} request carries no payload over {MAX_LIST} B")
+        try:
+            if f.op == PUT:
+                state = {"read": False}
+
+                def fill(dst: Any) -> None:
+                    if state["read"]:
+                        raise RuntimeError("put payload read twice")
+                    state["read"] = True
+                    recv_exact(conn, memoryview(dst).cast("B")[:f.plen])
+
+                def skip() -> None:
+                    if not state["read"]:
+                        state["read"] = True
+                        discard(conn, f.plen)
+                try:
+                    status = h.put(f, fill, skip)
+                finally:
+                    skip()
+                conn.sendall(pack(PUT, status=status))
+            elif f.op == GET:
+                got = h.get(f)
+                if got is None:
+                    conn.sendall(pack(GET, status=NOT_FOUND))
+                    return
+                meta, payload, version = got
+                view = memoryview(payload).cast("B")
+                conn.sendall(pack(GET, meta=meta, plen=view.nbytes, version=version, offset=f.offset))
+                if view.nbytes:
+                    conn.sendall(view)
+            elif f.op == DELETE:
+                conn.sendall(pack(DELETE, status=h.delete(f)))
+            elif f.op == KEYS:
+                body = encode_entries(h.keys(f.key))
+                conn.sendall(pack(KEYS, plen=len(body)) + body)
+            elif f.op == HAVE:
+                body = bytearray(f.plen)
+                recv_exact(conn, body)
+                bits = h.have(decode_entries(body))
+                conn.sendall(pack(HAVE, plen=len(bits)) + bits)
+            elif f.op == STAT:
+                body = h.stat()
+                conn.sendall(pack(STAT, plen=len(body)) + body)
+            elif f.op == FLUSH:
+                ok = h.flush(f.expire_at or 60.0)
+                conn.sendall(pack(FLUSH, status=OK if ok else ERROR))
+            else:  # PING
+                conn.sendall(pack(PING))
+        except (ConnectionError, ProtocolError):
+            raise
+        except Exception as e:     # noqa: BLE001 - answered, the connection stays usable
+            status = FULL if isinstance(e, MemoryError) else ERROR
+            msg = f"{type(e).__name__}: {e}".encode()[:MAX_META]
+            conn.sendall(pack(f.op, meta=msg, status=status))
+
+
+# ---- client ------------------------------------------------------------------------
+class Peer:
+    """Pooled, authenticated connections to one member's data port."""
+
+    def __init__(self, address: str, token: bytes | None = None, name: str = "", timeout: float = 30.0,
+                 pool: int = 8):
+        self.address = address
+        self.name = name or address
+        self._hostport = split_address(address)
+        self._token = token or b""
+        self.timeout = timeout
+        self._idle: list[socket.socket] = []
+        self._max_idle = pool
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+    def _connect(self) -> socket.socket:
+        try:
+            s = socket.create_connection(self._hostport, timeout=self.timeout)
+        except OSError as e:
+            raise ClusterUnavailableError(f"member {self.name} at {self.address} does not answer: {e}") from e
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = bytearray(3 + NONCE)
+            recv_exact(s, hello)
+            if bytes(hello[:2]) != MAGIC or hello[2] != PROTO:
+                raise ProtocolError(f"{self.address} is not a yrcache member (protocol {hello[2]})")
+            s.sendall(proof(self._token, bytes(hello[3:])))
+            verdict = bytearray(1)
+            recv_exact(s, verdict)
+        except (OSError, ConnectionError) as e:
+            s.close()
+            raise ClusterUnavailableError(f"member {self.name} at {self.address}: handshake failed: {e}") from e
+        if verdict[0] != 0:
+            s.close()
+            raise AuthenticationError(
+                f"member {self.name} at {self.address} refused our token: set YRCACHE_TOKEN to the "
+                "cluster's shared secret (the same on every member and client)")
+        return s
+
+    @contextmanager
+    def conn(self, timeout: float | None = None) -> Iterator[socket.socket]:
+        """Borrow a connection; one that fails mid-request is closed, not pooled."""
+        with self._lock:
+            s = self._idle.pop() if self._idle else None
+        if s is None:
+            s = self._connect()
+        s.settimeout(timeout if timeout is not None else self.timeout)
+        try:
+            yield s
+        except BaseException:
+            s.close()
+            raise
+        with self._lock:
+            if len(self._idle) < self._max_idle and not self._closed:
+                self._idle.append(s)
+                s = None      # type: ignore[assignment]
+        if s is not None:
+            s.close()
+
+    def _call(self, fn: Callable[[socket.socket], Any], timeout: float | None = None) -> Any:
+        for attempt in (0, 1):
+            try:
+                with self.conn(timeout) as s:
+                    return fn(s)
+            except (AuthenticationError, RemoteError):
+                raise
+            except TimeoutError as e:
+                raise ClusterUnavailableError(
+                    f"member {self.name} at {self.address} did not answer within "
+                    f"{timeout if timeout is not None else self.timeout:g} s") from e
+            except (ConnectionError, OSError) as e:
+                if attempt or isinstance(e, ClusterUnavailableError):
+                    if isinstance(e, ClusterUnavailableError):
+                        raise
+                    raise ClusterUnavailableError(f"member {self.name} at {self.address}: {e}") from e
+                # a pooled connection may have been closed by a restarted peer: retry once on a fresh one
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _reply(s: socket.socket, op: int) -> Frame:
+        f = read_frame(s)
+        if f.op != op:
+            raise ProtocolError(f"asked {OP_NAMES[op]}, got a reply to {OP_NAMES.get(f.op, f.op)}")
+        if f.status in (ERROR, FULL):
+            msg = f.meta.decode(errors="replace")
+            if f.status == FULL:
+                raise RemoteError(f"member is full: {msg}", FULL)
+            raise RemoteError(msg, ERROR)
+        return f
+
+    # -- single requests
+    def put(self, key: str, meta: bytes, payload: Any, nbytes: int, version: tuple[int, int], *,
+            priority: int = 0, expire_at: float = 0.0, flags: int = 0, timeout: float | None = None) -> int:
+        """Send one object; return ``OK`` or ``STALE`` (the member holds a newer version)."""
+        head = pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                    expire_at=expire_at)
+
+        def go(s: socket.socket) -> int:
+            if nbytes <= 65536:
+                s.sendall(head + memoryview(payload).cast("B") if nbytes else head)
+            else:
+                s.sendall(head)
+                s.sendall(memoryview(payload).cast("B"))
+            return self._reply(s, PUT).status
+        return self._call(go, timeout)
+
+    def get(self, key: str, offset: int = 0, length: int = ALL, *, into: Callable[[bytes, int], Any] | None = None,
+            timeout: float | None = None) -> tuple[bytes, Any, tuple[int, int]] | None:
+        """``(meta, buffer, version)`` or None; ``into(meta, n)`` may supply the buffer to receive into."""
+        def go(s: socket.socket):
+            s.sendall(pack(GET, key.encode(), offset=offset, length=length))
+            return self._recv_get(s, into)
+        return self._call(go, timeout)
+
+    def _recv_get(self, s: socket.socket, into=None):
+        f = self._reply(s, GET)
+        if f.status == NOT_FOUND:
+            return None
+        buf = into(f.meta, f.plen) if into is not None else bytearray(f.plen)
+        if f.plen:
+            recv_exact(s, memoryview(buf).cast("B")[:f.plen])
+        return f.meta, buf, f.version
+
+    def delete(self, key: str, version: tuple[int, int], timeout: float | None = None) -> bool:
+        def go(s: socket.socket) -> bool:
+            s.sendall(pack(DELETE, key.encode(), version=version))
+            return self._reply(s, DELETE).status == OK
+        return self._call(go, timeout)
+
+    def keys(self, prefix: str = "") -> list[tuple[str, tuple[int, int]]]:
+        def go(s: socket.socket):
+            s.sendall(pack(KEYS, prefix.encode()))
+            f = self._reply(s, KEYS)
+            body = bytearray(f.plen)
+            recv_exact(s, body)
+            return decode_entries(body)
+        return self._call(go)
+
+    def have(self, entries: Sequence[tuple[str, tuple[int, int]]]) -> bytes:
+        body = encode_entries(entries)
+
+        def go(s: socket.socket) -> bytes:
+            s.sendall(pack(HAVE, plen=len(body)) + body)
+            f = self._reply(s, HAVE)
+            bits = bytearray(f.plen)
+            recv_exact(s, bits)
+            return bytes(bits)
+        return self._call(go)
+
+    def stat(self) -> bytes:
+        def go(s: socket.socket) -> bytes:
+            s.sendall(pack(STAT))
+            f = self._reply(s, STAT)
+            body = bytearray(f.plen)
+            recv_exact(s, body)
+            return bytes(body)
+        return self._call(go)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        def go(s: socket.socket) -> bool:
+            s.sendall(pack(FLUSH, expire_at=timeout))
+            return self._reply(s, FLUSH).status == OK
+        return self._call(go, timeout + 5)
+
+    def ping(self, timeout: float | None = None) -> None:
+        self._call(lambda s: (s.sendall(pack(PING)), self._reply(s, PING)), timeout)
+
+    # -- pipelined batches
+    def mput(self, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]], *,
+             flags: int = 0, timeout: float | None = None) -> list[int]:
+        """Put ``(key, meta, payload, nbytes, version, priority, expire_at)`` items in one pipeline."""
+        def go(s: socket.socket) -> list[int]:
+            out = bytearray()
+            for key, meta, payload, nbytes, version, priority, expire_at in items:
+                out += pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                            expire_at=expire_at)
+                if nbytes > 65536:
+                    s.sendall(out)
+                    s.sendall(memoryview(payload).cast("B"))
+                    out = bytearray()
+                elif nbytes:
+                    out += memoryview(payload).cast("B")
+                if len(out) > (1 << 20):
+                    s.sendall(out)
+                    out = bytearray()
+            if out:
+                s.sendall(out)
+            return [self._reply(s, PUT).status for _ in items]
+        return self._call(go, timeout)
+
+    def mget(self, keys: Sequence[str], timeout: float | None = None) -> list[tuple[bytes, Any, tuple[int, int]] | None]:
+        def go(s: socket.socket):
+            s.sendall(b"".join(pack(GET, k.encode(), length=ALL) for k in keys))
+            return [self._recv_get(s) for _ in keys]
+        return self._call(go, timeout)
