@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 
 from .. import codec
 from ..config import Tier, WriteMode, write_mode as _write_mode
-from ..errors import ClusterUnavailableError, StoreClosedError
+from ..errors import ClusterUnavailableError, StoreClosedError, StoreNotFoundError
 from ..store import TieredStore
 from ..types import Value
 from ..validate import expire_at as _expire_at, key_bytes, priority as _priority
@@ -95,12 +95,7 @@ class ClusterStore(TieredStore):
                 self.role = "client"
                 self._watch(endpoints, ttl)
                 return
-            try:
-                self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)  # type: ignore[arg-type]
-                self.role = "member"
-            except FileExistsError:
-                self._local = TieredStore.attach(self.name, pickle=pickle)
-                self.role = "attached"
+            self._open_local(pickle, local)
             if self.role == "member":
                 self._serve(endpoints, ttl, listen, token_b)
             else:
@@ -111,6 +106,23 @@ class ClusterStore(TieredStore):
             raise
 
     # ---- set-up ------------------------------------------------------------------------
+    def _open_local(self, pickle: bool, local: dict[str, Any]) -> None:
+        """Create this machine's arena (we are its member) or attach to the one that exists."""
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)
+                self.role = "member"
+                return
+            except FileExistsError:
+                self._local = TieredStore.attach(self.name, pickle=pickle)
+                self.role = "attached"
+                return
+            except StoreNotFoundError:       # another process of this machine is creating it
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
     def _serve(self, endpoints: str, ttl: float, listen: str | None, token: bytes | None) -> None:
         assert self._local is not None
         member_id = check_name("member id", os.environ.get("YRCACHE_NODE_ID")

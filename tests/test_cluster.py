@@ -1,0 +1,370 @@
+"""Cluster mode end to end: a real etcd, real ``yrcache node`` processes, loopback only.
+
+What a member holds is always asked of the member itself over its data port
+(``NodeProc.keys``), never taken from a counter.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyetcd")
+from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
+
+from yrcache import TieredStore, WriteMode  # noqa: E402
+from yrcache.cluster import transport as tp  # noqa: E402
+from yrcache.cluster.store import ClusterStore  # noqa: E402
+from yrcache.errors import AuthenticationError, ClusterUnavailableError  # noqa: E402
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = Etcd(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def harness(etcd, tmp_path):
+    h = ClusterHarness(etcd, tmp_path)
+    yield h
+    h.close()
+
+
+def value(i: int, n: int = 64) -> np.ndarray:
+    return np.full(n, i, dtype=np.int64)
+
+
+# ---- basics ----------------------------------------------------------------------------
+def test_client_routes_to_owners_and_reads_back(harness):
+    nodes = harness.start(3)
+    with harness.client(replicas=2) as c:
+        assert isinstance(c, ClusterStore) and c.role == "client"
+        harness.wait_members(c, 3)
+        for i in range(300):
+            c[f"k{i}"] = value(i)
+        assert all(int(c[f"k{i}"][0]) == i for i in range(300))
+        held = {n.member_id: n.keys() for n in nodes}
+        for i in range(300):
+            k = f"k{i}"
+            owners = c._router.owners(k)
+            # exactly the two owners hold it, at the same version
+            assert sorted(m for m, ks in held.items() if k in ks) == sorted(owners), k
+            assert held[owners[0]][k] == held[owners[1]][k]
+        assert sorted(c.keys()) == sorted(f"k{i}" for i in range(300))
+        assert len(c) == 300
+        assert c.mget(["k1", "nope", "k2"])[1] is None
+        assert c.read_range("k5", 8, 16).tobytes() == value(5)[1:3].tobytes()
+        assert "k7" in c and "nope" not in c
+        assert c.delete("k7") and "k7" not in c and not c.delete("k7")
+        assert all("k7" not in n.keys() for n in nodes)
+        with pytest.raises(KeyError):
+            c["k7"]
+
+
+def test_pickled_objects_never_travel(harness):
+    harness.start(1)
+    with harness.client(pickle=True) as c:
+        harness.wait_members(c, 1)
+        with pytest.raises(TypeError, match="pickled objects never travel"):
+            c["obj"] = {"a": 1}
+
+
+def test_write_modes_and_flush(harness):
+    nodes = harness.start(3)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 3)
+        c.put("none", b"one copy", write_mode=WriteMode.NONE)
+        assert sum("none" in n.keys() for n in nodes) == 1
+        for i in range(200):
+            c.put(f"a{i}", value(i), write_mode="async")
+        c.flush()
+        copies = harness.copies()
+        assert all(copies.get(f"a{i}") == 2 for i in range(200)), copies
+        c.mset({f"m{i}": value(i) for i in range(150)}, write_mode="async")
+        c.flush()
+        copies = harness.copies()
+        assert all(copies.get(f"m{i}") == 2 for i in range(150))
+        assert [int(v[0]) for v in c.mget([f"m{i}" for i in range(150)])] == list(range(150))
+
+
+# ---- a machine is one member -----------------------------------------------------------
+_WORKER = textwrap.dedent("""
+    import sys, numpy as np
+    from yrcache import TieredStore
+    s = TieredStore()
+    s.put(f"w{sys.argv[1]}", np.full(8, int(sys.argv[1])))
+    print(s.role, s.member_id, flush=True)
+    sys.stdin.readline()          # stay attached until the test is done
+    ok = all(int(s[f"w{i}"][0]) == i for i in range(4))
+    print("read", ok, flush=True)
+    s.close()
+""")
+
+
+def test_four_processes_with_one_environment_form_one_member(harness, etcd):
+    env = dict(harness.env, YRCACHE_NAME=f"{harness.cluster}-box")
+    procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(4)]
+    try:
+        first = [p.stdout.readline().split() for p in procs]
+        roles = sorted(r for r, _ in first)
+        assert roles == ["attached", "attached", "attached", "member"], first
+        assert len({m for _, m in first}) == 1
+        with harness.client() as c:
+            harness.wait_members(c, 1)             # one member in etcd, not four
+            assert sorted(c.keys()) == ["w0", "w1", "w2", "w3"]
+        for p in procs[::-1]:
+            if "member" not in first[procs.index(p)]:
+                p.stdin.write("\n")
+                p.stdin.flush()
+                assert p.stdout.readline().split() == ["read", "True"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        try:
+            os.unlink(f"/dev/shm/yrcache.{harness.cluster}-box")
+        except FileNotFoundError:
+            pass
+
+
+# ---- death, joins, convergence ---------------------------------------------------------
+def test_sigkill_of_a_member_loses_nothing_and_redundancy_returns(harness):
+    nodes = harness.start(3)
+    n = 2000
+    with harness.client(replicas=2, write_mode="write_through") as c:
+        harness.wait_members(c, 3)
+        c.mset({f"o{i}": value(i, 16) for i in range(n)})
+        stop = threading.Event()
+        failures: list[str] = []
+        reads = [0]
+
+        def reader() -> None:
+            with harness.client(replicas=2) as r:
+                harness.wait_members(r, 3)
+                rnd = random.Random(1)
+                while not stop.is_set():
+                    i = rnd.randrange(n)
+                    try:
+                        v = r.get(f"o{i}")
+                        if v is None or int(v[0]) != i:
+                            failures.append(f"o{i}: {v}")
+                    except ClusterUnavailableError as e:
+                        failures.append(f"o{i}: {e}")
+                    reads[0] += 1
+        t = threading.Thread(target=reader)
+        t.start()
+        time.sleep(0.5)
+        victim = nodes[1]
+        victim.sigkill()
+        t0 = time.monotonic()
+
+        def redundant() -> bool:
+            copies = harness.copies()
+            return len(copies) == n and all(v == 2 for v in copies.values())
+        try:
+            took = wait_for(redundant, TTL + 20, "every object back at 2 copies")
+        finally:
+            stop.set()
+            t.join()
+        assert not failures, failures[:5]
+        assert reads[0] > 100
+        print(f"redundant again {time.monotonic() - t0:.1f} s after SIGKILL ({took:.1f} s polling), "
+              f"{reads[0]} reads, 0 failed")
+        assert all(int(c[f"o{i}"][0]) == i for i in range(0, n, 7))
+
+
+def test_async_flush_then_death_then_a_join_moves_ownership(harness):
+    nodes = harness.start(3)
+    n = 600
+    with harness.client(replicas=2, write_mode="async") as c:
+        harness.wait_members(c, 3)
+        for i in range(n):
+            c[f"a{i}"] = value(i)
+        c.flush()
+        nodes[0].sigkill()
+        harness.wait_members(c, 2, timeout=TTL + 10)
+        assert all(int(c[f"a{i}"][0]) == i for i in range(n))    # nothing lost
+        new = harness.start(1)[0]
+        harness.wait_members(c, 3)
+        stop = threading.Event()
+        missing: list[str] = []
+
+        def reader() -> None:
+            rnd = random.Random(2)
+            while not stop.is_set():
+                i = rnd.randrange(n)
+                v = c.get(f"a{i}")
+                if v is None or int(v[0]) != i:
+                    missing.append(f"a{i}")
+        t = threading.Thread(target=reader)
+        t.start()
+
+        def settled() -> bool:
+            live = harness.live()
+            held = {nd.member_id: nd.keys() for nd in live}
+            for i in range(n):
+                k = f"a{i}"
+                owners = set(c._router.owners(k))
+                if {m for m, ks in held.items() if k in ks} != owners:
+                    return False
+            return True
+        try:
+            wait_for(settled, 30, "objects on exactly their new owners")
+        finally:
+            stop.set()
+            t.join()
+        assert not missing, missing[:5]
+        assert any(f"a{i}" in new.keys() for i in range(n))       # the new member took its share
+
+
+def test_a_replica_keeps_the_higher_version(harness):
+    node = harness.start(1)[0]
+    with harness.client(replicas=1) as c:
+        harness.wait_members(c, 1)
+        c["v"] = b"new"
+        peer = node.peer()
+        (hlc, writer) = node.keys()["v"]
+        # an older write arriving late (a slow replica stream) loses; its bytes are drained
+        assert peer.put("v", b"B", b"old", 3, (hlc - 1, writer)) == tp.STALE
+        assert peer.put("v", b"B", b"tie", 3, (hlc, writer - 1)) == tp.STALE
+        assert bytes(c["v"]) == b"new"
+        # an older delete does not remove a newer value; a newer one does, and is remembered
+        assert peer.delete("v", (hlc - 1, writer)) is False
+        assert bytes(c["v"]) == b"new"
+        assert peer.delete("v", (hlc + 1, writer)) is True
+        assert c.get("v") is None
+        assert peer.put("v", b"B", b"zombie", 6, (hlc, writer)) == tp.STALE    # not resurrected
+        assert c.get("v") is None
+        assert peer.put("v", b"B", b"later", 5, (hlc + 2, writer)) == tp.OK
+        assert bytes(c["v"]) == b"later"
+        peer.close()
+
+
+def test_concurrent_writers_through_different_members_converge(harness):
+    harness.start(3)
+    script = textwrap.dedent("""
+        import sys, numpy as np
+        from yrcache import TieredStore
+        s = TieredStore(member=False)
+        w = int(sys.argv[1])
+        for r in range(60):
+            for k in range(20):
+                s.put(f"c{k}", np.full(4, w * 1000 + r), write_mode=sys.argv[2])
+        s.flush()
+        s.close()
+    """)
+    env = harness.client_env()
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(w), mode], env=env)
+             for w, mode in ((1, "write_through"), (2, "async"), (3, "write_through"))]
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    with harness.client() as c:
+        harness.wait_members(c, 3)
+        c.flush()
+        for k in range(20):
+            held = []
+            for nd in harness.live():
+                got = nd.peer().get(f"c{k}")
+                if got is not None:
+                    held.append((got[2], bytes(got[1])))
+            assert len(held) == 2, (k, held)
+            assert held[0] == held[1], f"replicas of c{k} differ: {held}"
+
+
+def test_etcd_restart_mid_run_drops_no_member(harness, etcd):
+    nodes = harness.start(3)
+    with harness.client() as c:
+        harness.wait_members(c, 3)
+        for i in range(100):
+            c[f"e{i}"] = value(i)
+        etcd.kill()
+        # members keep serving on the last known member set
+        assert all(int(c[f"e{i}"][0]) == i for i in range(100))
+        c["during"] = b"written while etcd is down"
+        time.sleep(TTL + 0.5)
+        etcd.start()
+        time.sleep(TTL)
+        assert len(c._router.members) == 3
+        assert all(nd.proc.poll() is None for nd in nodes)
+        # watches resumed: a new member is seen by everyone
+        harness.start(1)
+        harness.wait_members(c, 4)
+        assert bytes(c["during"]) == b"written while etcd is down"
+        st = c.stats()
+        assert st["etcd"]["etcd"] == "ok" and len(st["members"]) == 4
+
+
+# ---- the data port under attack --------------------------------------------------------
+def test_wrong_token_and_garbage_frames(etcd, tmp_path):
+    h = ClusterHarness(etcd, tmp_path, YRCACHE_TOKEN="s3cret")
+    try:
+        node = h.start(1)[0]
+        host, port = tp.split_address(node.address)
+        with pytest.raises(AuthenticationError, match="YRCACHE_TOKEN"):
+            tp.Peer(node.address, b"wrong").ping()
+        with pytest.raises(AuthenticationError):
+            tp.Peer(node.address, None).ping()
+
+        def raw(send: bytes, authed: bool = True) -> bytes:
+            s = socket.create_connection((host, port), timeout=5)
+            try:
+                hello = s.recv(3 + tp.NONCE, socket.MSG_WAITALL)
+                if authed:
+                    s.sendall(tp.proof(b"s3cret", hello[3:]))
+                    assert s.recv(1) == b"\x00"
+                out = b""
+                try:
+                    s.sendall(send)
+                    s.shutdown(socket.SHUT_WR)
+                    while chunk := s.recv(65536):
+                        out += chunk
+                except ConnectionResetError:       # it closed on us mid-send: nothing more to read
+                    pass
+                return out
+            finally:
+                s.close()
+        assert raw(os.urandom(tp.NONCE), authed=False) == b"\x01"          # random bytes as the answer
+        assert raw(os.urandom(4096)) == b""                                  # random frames: closed
+        assert raw(tp.pack(tp.PUT, b"k", b"B", 1 << 50)) == b""              # oversized
+        assert raw(tp.pack(tp.PUT, b"k", b"B", 100) + b"x" * 10) == b""      # truncated
+        bad = struct.pack("<2sBB", b"YR", 9, 1) + bytes(tp.HDR.size - 4)     # another protocol version
+        assert raw(bad) == b""
+        # a header that lies about its payload size is refused, the connection stays up
+        reply = raw(tp.pack(tp.PUT, b"k", b"N;<i8;4", 8) + bytes(8) + tp.pack(tp.PING))
+        f = tp.HDR.unpack(reply[:tp.HDR.size])
+        assert f[4] == tp.ERROR and reply.endswith(tp.pack(tp.PING))
+        with h.client() as c:
+            h.wait_members(c, 1)
+            c["still"] = b"serving"
+            assert bytes(c["still"]) == b"serving"
+    finally:
+        h.close()
+
+
+def test_refuses_a_public_address_without_a_token():
+    with pytest.raises(ValueError, match="YRCACHE_TOKEN"):
+        tp.Server(tp.Handler(), "0.0.0.0:0", token=None)
+
+
+def test_cluster_argument_errors():
+    with pytest.raises(ValueError, match="etcd://"):
+        TieredStore(cluster="http://x:1/c")
+    with pytest.raises(TypeError, match="cluster store only"):
+        TieredStore(cluster=False, replicas=2)
+    with pytest.raises(ClusterUnavailableError):
+        TieredStore(cluster="etcd://127.0.0.1:1/c", member=False, lease_ttl=1.0)
