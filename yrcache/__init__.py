@@ -17,6 +17,7 @@ from .errors import (
     YrcacheError,
 )
 from .store import TieredStore, Tier, WriteMode
+from .cluster import store as _cluster_store  # noqa: F401  (registers ClusterStore with TieredStore)
 
 __version__ = "0.1.0"
 

@@ -83,10 +83,10 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         if cls is TieredStore and not kwargs.get("_attach"):
             c = kwargs.get("cluster")
             if c or (c is None and os.environ.get("YRCACHE_ETCD")):
-                from .cluster.store import ClusterStore
-
-                return super().__new__(ClusterStore)
+                return super().__new__(TieredStore._cluster_class)
         return super().__new__(cls)
+
+    _cluster_class: type["TieredStore"]   # yrcache.cluster.store.ClusterStore registers itself
 
     def __init__(self, name: str | None = None, *, dram: int | str | None = None,
                  ssd: str | os.PathLike[str] | None = None, ssd_size: int | str | None = None,

@@ -36,14 +36,21 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, Union
 
-import pyetcd
-import pyetcd.events
-
 from yrcache.errors import ClusterUnavailableError
 
 __all__ = ["MemberInfo", "Membership", "parse_endpoints", "check_name", "MAX_NAME_LEN"]
 
 log = logging.getLogger(__name__)
+
+
+def _pyetcd() -> Any:
+    """The etcd client, imported on first use (it is the ``cluster`` extra)."""
+    try:
+        import pyetcd
+        import pyetcd.events
+    except ImportError as e:
+        raise ImportError(f"cluster mode needs the etcd client: pip install 'yrcache[cluster]' ({e})") from None
+    return pyetcd
 
 MAX_NAME_LEN = 128
 _LOG_EVERY_S = 5.0
@@ -240,6 +247,7 @@ class Membership:
         opts = [("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 500)]
+        pyetcd = _pyetcd()
         eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.2, opts=opts)
                for h, p in self._endpoints]
         return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self._rpc_timeout,
@@ -302,7 +310,7 @@ class Membership:
         rev = int(resp.header.revision)
         for ev in resp.events:
             mid = ev.key.decode("utf-8", "replace")[len(self.prefix):]
-            if isinstance(ev, pyetcd.events.DeleteEvent):
+            if isinstance(ev, _pyetcd().events.DeleteEvent):
                 members.pop(mid, None)
             else:
                 info = self._parse(ev.key, ev.value)

@@ -149,7 +149,7 @@ class Node(tp.Handler):
                 self.local.delete(key)
                 self.versions.pop(key, None)
 
-    def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tuple[bytes, Any, Version] | None:
+    def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tp.Got | None:
         value = self.local.get(key)
         if value is None:
             return None
@@ -157,7 +157,8 @@ class Node(tp.Handler):
         view = memoryview(payload).cast("B") if nbytes else memoryview(b"")
         if offset or length < nbytes:
             view = view[offset:offset + length]
-        return meta, view, self.versions.get(key, (0, 0))
+        tier = int(self.local.tier_of(key)) if length == 0 else -1
+        return tp.Got(meta, view, self.versions.get(key, (0, 0)), tier)
 
     # -- transport.Handler
     def put(self, f: tp.Frame, fill: Callable[[Any], None], skip: Callable[[], None]) -> int:
@@ -184,9 +185,9 @@ class Node(tp.Handler):
         return bytes(out)
 
     def stat(self) -> bytes:
-        tiers = self.local.stats()["tiers"].values()
+        st = self.local.stats()
         return json.dumps({"member": self.member_id, "objects": len(self.versions),
-                           "bytes": sum(t.get("used", 0) for t in tiers),
+                           "bytes": sum(t.get("used", 0) for t in st["tiers"].values()), "store": st,
                            "pending": self.forwarder.pending(),
                            "under_replicated": self.rebalancer.under_replicated}).encode()
 
@@ -273,7 +274,7 @@ class Forwarder:
         got = node.read(key)
         if got is None:
             return True
-        meta, view, _ = got
+        meta, view = got.meta, got.buf
         exp = node.local.info(key)
         priority = int(exp["priority"]) if exp else 0
         expire_at = float(exp.get("expire_at") or 0.0) if exp else 0.0
@@ -502,7 +503,7 @@ class Router:
 
     # -- reads
     def read(self, key: str, offset: int = 0, length: int = tp.ALL,
-             skip: str | None = None) -> tuple[bytes, Any, Version] | None:
+             skip: str | None = None) -> tp.Got | None:
         """Fetch ``key`` from its owners, then (while objects move) from the other members."""
         owners = self.owners(key)
         others = [m for m in self.ring.members if m not in owners]

@@ -69,6 +69,8 @@ class ClusterStore(TieredStore):
                  member: bool | None = None, token: str | None = None, lease_ttl: float | None = None,
                  pickle: bool = False, **local: Any) -> None:
         self._closed = False
+        self.member_id: str | None = None     # this machine's member (None for a pure client)
+        self.address: str | None = None       # its data address (a member only)
         self._local: TieredStore | None = None
         self._membership: Membership | None = None
         self._server: tp.Server | None = None
@@ -81,7 +83,7 @@ class ClusterStore(TieredStore):
         self.replicas = replicas if replicas is not None else _env_int("YRCACHE_REPLICAS", 2)
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
             raise ValueError(f"replicas must be an int from 1 to 16, got {self.replicas!r}")
-        self._write_mode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
+        self._mode_default: WriteMode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
             or WriteMode.WRITE_THROUGH
         if member is None:
             member = os.environ.get("YRCACHE_MEMBER", "1").lower() in _ENV_TRUE
@@ -90,6 +92,7 @@ class ClusterStore(TieredStore):
         ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
         self.name = name or os.environ.get("YRCACHE_NAME") or f"yrcache-{self.cluster}"
         self._router = Router(self.replicas, token_b)
+        self._ops = dict.fromkeys(("hits", "misses", "puts", "deletes"), 0)
         try:
             if not member:
                 self.role = "client"
@@ -147,7 +150,6 @@ class ClusterStore(TieredStore):
                                       "-", ttl=ttl, on_change=self._router.update, register=False).start()
         self._router.update(self._membership.members())
         self.member_id = self._router.member_id
-        self.address = None
 
     def _wait_member_id(self) -> str:
         assert self._local is not None
@@ -172,13 +174,17 @@ class ClusterStore(TieredStore):
         return self._closed
 
     def _mode(self, write_mode: WriteMode | str | None) -> WriteMode:
-        return _write_mode(write_mode) or self._write_mode
+        return _write_mode(write_mode) or self._mode_default
 
     def _encode(self, value: Value) -> tuple[bytes, Any, int]:
-        meta, payload, nbytes = codec.encode(value, self._pickle)
+        why = (f"cannot store a {type(value).__name__} in a cluster: pickled objects never travel "
+               "between members; store bytes, numpy arrays or tensors")
+        try:
+            meta, payload, nbytes = codec.encode(value, self._pickle)
+        except TypeError:
+            raise TypeError(why) from None
         if meta[:1] == b"P":
-            raise TypeError(f"cannot send a {type(value).__name__} to the cluster: pickled objects never travel "
-                            "between members; store bytes, numpy arrays or tensors")
+            raise TypeError(why)
         return meta, payload, nbytes
 
     def _local_get(self, key: str) -> Any:
@@ -196,6 +202,7 @@ class ClusterStore(TieredStore):
         meta, payload, nbytes = self._encode(value)
         self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
                          self._mode(write_mode), sync_timeout)
+        self._ops["puts"] += 1
 
     def __setitem__(self, key: str, value: Value) -> None:
         self.put(key, value)
@@ -239,12 +246,15 @@ class ClusterStore(TieredStore):
                 failed.append(f"{m} ({e})")
         if failed:
             raise ClusterUnavailableError(f"mset: owners did not take their writes: {'; '.join(failed)}")
+        self._ops["puts"] += len(pairs)
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every member; True if one held it."""
         self._check_open()
         key_bytes(key)
-        return self._router.delete(key)
+        found = self._router.delete(key)
+        self._ops["deletes"] += found
+        return found
 
     def __delitem__(self, key: str) -> None:
         if not self.delete(key):
@@ -264,9 +274,10 @@ class ClusterStore(TieredStore):
         if value is None:
             got = self._router.read(key, skip=self._router.member_id if self._local is not None else None)
             if got is None:
+                self._ops["misses"] += 1
                 return default
-            meta, buf, _ = got
-            return decode(meta, buf, len(buf))
+            value = decode(got.meta, got.buf, len(got.buf))
+        self._ops["hits"] += 1
         return codec.private_copy(value) if copy else value
 
     def read_range(self, key: str, offset: int, length: int) -> memoryview | None:
@@ -277,7 +288,7 @@ class ClusterStore(TieredStore):
             raise ValueError("offset and length must be >= 0")
         value = self._local_get(key)
         if value is not None:
-            return memoryview(codec.flat_bytes(value))[offset:offset + length].toreadonly()
+            return memoryview(codec.flat_bytes(value).data)[offset:offset + length].toreadonly()
         got = self._router.read(key, offset, length, skip=self._router.member_id if self._local else None)
         return None if got is None else memoryview(got[1]).toreadonly()
 
@@ -299,6 +310,7 @@ class ClusterStore(TieredStore):
             v = self._local_get(k)
             if v is not None:
                 out[i] = codec.private_copy(v) if copy else v
+                self._ops["hits"] += 1
             else:
                 owners = router.owners(k)
                 if owners:
@@ -314,8 +326,12 @@ class ClusterStore(TieredStore):
             for i, g in zip(idx, got):
                 if g is None:
                     g = router.read(keys[i])         # fail-over, or still moving
-                if g is not None:
-                    out[i] = decode(g[0], g[1], len(g[1]))
+                if g is None:
+                    self._ops["misses"] += 1
+                else:
+                    self._ops["hits"] += 1
+                    v = decode(g.meta, g.buf, len(g.buf))
+                    out[i] = codec.private_copy(v) if copy else v
         return out
 
     def __contains__(self, key: object) -> bool:
@@ -355,11 +371,26 @@ class ClusterStore(TieredStore):
             raise TimeoutError(f"replication did not finish within {timeout:g} s (a member may be down)")
 
     def stats(self) -> dict[str, Any]:
-        """This process's role, the membership state and every member's objects, bytes and backlog."""
+        """The embedded store's keys, for the cluster: ``tiers`` and the moved/pinned
+        counters summed over the members (every copy counts), ``hits``/``misses``/``puts``/
+        ``deletes`` of this handle; plus the role, etcd state and each member's objects,
+        bytes and forwarding backlog under ``members``."""
         self._check_open()
         members = self._router.stats()
+        tiers: dict[str, dict[str, int]] = {}
+        moved = dict.fromkeys(("spills", "promotions", "evictions", "pinned_bytes", "orphans", "recoveries"), 0)
+        for m in members:
+            st = m.pop("store", None) or {}
+            for name, t in st.get("tiers", {}).items():
+                agg = tiers.setdefault(name, {})
+                for k, v in t.items():
+                    if isinstance(v, int):
+                        agg[k] = agg.get(k, 0) + v
+            for k in moved:
+                moved[k] += int(st.get(k, 0))
         return {"name": self.name, "cluster": self.cluster, "role": self.role, "member_id": self.member_id,
-                "replicas": self.replicas, "write_mode": self._write_mode.value,
+                "replicas": self.replicas, "write_mode": self._mode_default.value, "tiers": tiers,
+                **self._ops, **moved,
                 "etcd": self._membership.stats() if self._membership else None,
                 "members": members,
                 "under_replicated": sum(m.get("under_replicated", 0) for m in members),
@@ -370,7 +401,17 @@ class ClusterStore(TieredStore):
         if self._local is not None and self._local_get(key) is not None:
             return self._local.info(key)
         got = self._router.read(key, 0, 0)
-        return None if got is None else {"tier": None, "kind": codec.describe(got[0])["kind"], "remote": True}
+        if got is None:
+            return None
+        return {"tier": Tier(got.tier) if got.tier >= 0 else None, "nbytes": None,
+                "kind": codec.describe(got.meta)["kind"], "remote": True}
+
+    def tier_of(self, key: str) -> Tier:
+        """The tier the first member that answers holds ``key`` in; ``KeyError`` if none does."""
+        i = self.info(key)
+        if i is None or i["tier"] is None:
+            raise KeyError(key)
+        return i["tier"]
 
     def word(self, name: str) -> Any:
         if self._local is None:
@@ -433,6 +474,9 @@ class ClusterStore(TieredStore):
             self.close()
         except Exception:
             pass
+
+
+TieredStore._cluster_class = ClusterStore
 
 
 def _rebuild(args: dict) -> ClusterStore:

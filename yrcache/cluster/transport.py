@@ -89,6 +89,14 @@ class Frame(NamedTuple):
     length: int
 
 
+class Got(NamedTuple):
+    """An object (or a range of it) read from a member."""
+    meta: bytes
+    buf: Any
+    version: tuple[int, int]
+    tier: int = -1            # the holder's Tier, for reads of length 0 (probes); -1: not asked
+
+
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1``."""
     if host == "localhost":
@@ -201,8 +209,8 @@ class Handler:
         """Store ``f``'s payload by calling ``fill(dst)`` once (or ``skip()``); return a status."""
         raise NotImplementedError
 
-    def get(self, f: Frame) -> tuple[bytes, Any, tuple[int, int]] | None:
-        """``(meta, payload buffer, version)`` of ``f.key``'s ``[offset, offset+length)``, or None."""
+    def get(self, f: Frame) -> Got | None:
+        """``f.key``'s ``[offset, offset+length)`` (its meta, version and, for length 0, tier), or None."""
         raise NotImplementedError
 
     def delete(self, f: Frame) -> int:
@@ -333,9 +341,9 @@ class Server:
                 if got is None:
                     conn.sendall(pack(GET, status=NOT_FOUND))
                     return
-                meta, payload, version = got
-                view = memoryview(payload).cast("B")
-                conn.sendall(pack(GET, meta=meta, plen=view.nbytes, version=version, offset=f.offset))
+                view = memoryview(got.buf).cast("B")
+                conn.sendall(pack(GET, meta=got.meta, plen=view.nbytes, version=got.version, offset=f.offset,
+                                  flags=got.tier + 1))
                 if view.nbytes:
                     conn.sendall(view)
             elif f.op == DELETE:
@@ -344,9 +352,9 @@ class Server:
                 body = encode_entries(h.keys(f.key))
                 conn.sendall(pack(KEYS, plen=len(body)) + body)
             elif f.op == HAVE:
-                body = bytearray(f.plen)
-                recv_exact(conn, body)
-                bits = h.have(decode_entries(body))
+                entries = bytearray(f.plen)
+                recv_exact(conn, entries)
+                bits = h.have(decode_entries(entries))
                 conn.sendall(pack(HAVE, plen=len(bits)) + bits)
             elif f.op == STAT:
                 body = h.stat()
@@ -425,10 +433,10 @@ class Peer:
             s.close()
             raise
         with self._lock:
-            if len(self._idle) < self._max_idle and not self._closed:
+            keep = len(self._idle) < self._max_idle and not self._closed
+            if keep:
                 self._idle.append(s)
-                s = None      # type: ignore[assignment]
-        if s is not None:
+        if not keep:
             s.close()
 
     def _call(self, fn: Callable[[socket.socket], Any], timeout: float | None = None) -> Any:
@@ -479,8 +487,8 @@ class Peer:
         return self._call(go, timeout)
 
     def get(self, key: str, offset: int = 0, length: int = ALL, *, into: Callable[[bytes, int], Any] | None = None,
-            timeout: float | None = None) -> tuple[bytes, Any, tuple[int, int]] | None:
-        """``(meta, buffer, version)`` or None; ``into(meta, n)`` may supply the buffer to receive into."""
+            timeout: float | None = None) -> Got | None:
+        """The object (or range) or None; ``into(meta, n)`` may supply the buffer to receive into."""
         def go(s: socket.socket):
             s.sendall(pack(GET, key.encode(), offset=offset, length=length))
             return self._recv_get(s, into)
@@ -493,7 +501,7 @@ class Peer:
         buf = into(f.meta, f.plen) if into is not None else bytearray(f.plen)
         if f.plen:
             recv_exact(s, memoryview(buf).cast("B")[:f.plen])
-        return f.meta, buf, f.version
+        return Got(f.meta, buf, f.version, f.flags - 1)
 
     def delete(self, key: str, version: tuple[int, int], timeout: float | None = None) -> bool:
         def go(s: socket.socket) -> bool:
@@ -537,7 +545,10 @@ class Peer:
         return self._call(go, timeout + 5)
 
     def ping(self, timeout: float | None = None) -> None:
-        self._call(lambda s: (s.sendall(pack(PING)), self._reply(s, PING)), timeout)
+        def go(s: socket.socket) -> None:
+            s.sendall(pack(PING))
+            self._reply(s, PING)
+        self._call(go, timeout)
 
     # -- pipelined batches
     def mput(self, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]], *,
@@ -562,7 +573,7 @@ class Peer:
             return [self._reply(s, PUT).status for _ in items]
         return self._call(go, timeout)
 
-    def mget(self, keys: Sequence[str], timeout: float | None = None) -> list[tuple[bytes, Any, tuple[int, int]] | None]:
+    def mget(self, keys: Sequence[str], timeout: float | None = None) -> list[Got | None]:
         def go(s: socket.socket):
             s.sendall(b"".join(pack(GET, k.encode(), length=ALL) for k in keys))
             return [self._recv_get(s) for _ in keys]
