@@ -96,13 +96,13 @@ SMALL_TARGET = 1.0        # yrcache ops/s / Redis ops/s (more than)
 class Config:
     quick: bool
     big: int = 64 * MiB
-    big_reps: int = 9
+    big_reps: int = 15
     big_warm: int = 2
     rtt_n: int = 3000
     async_sizes: tuple = (64 * KiB, 1 * MiB)
     async_n: int = 300
     small_n: int = 5000
-    small_rounds: int = 3
+    small_rounds: int = 5
     batch: int = 100
     batch_reps: int = 100
     fo_objects: int = 10_000
@@ -986,6 +986,7 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
                      "target": target, "ok": ok, **raw})
 
     big = cfg.big
+
     def bw(ns: float) -> str:
         return U.fmt_bw(big, ns)
     raw = res.get("raw", {})
@@ -1077,11 +1078,15 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
     if "reads_total" in fo:
         n, size = fo["objects"], fo["size"]
         done, det = fo["done_s"], fo["detect_s"]
-        row(f"SIGKILL 1 of 4 -> every one of {n} x {U.fmt_size(size)} on 2 live members",
-            f"{done:.2f} s" if done is not None else
-            f"not within {cfg.fo_timeout:g} s ({fo['timeline'][-1][1]} keys on < 2 members)",
+        lost = fo["copies_after"].get(0, 0)
+        checked = min(n, 300)
+        cell = (f"{done:.2f} s" if done is not None else
+                f"not within {cfg.fo_timeout:g} s ({fo['timeline'][-1][1]} keys on < 2 members)")
+        cell += f"; {checked - fo['sample_bad']}/{checked} sampled values intact" + (f"; {lost} keys LOST" if lost else "")
+        row(f"SIGKILL 1 of 4 -> every one of {n} x {U.fmt_size(size)} on 2 live members", cell,
             f"lease TTL {TTL:g} s; departure seen after {det:.2f} s" if det is not None else f"lease TTL {TTL:g} s",
-            None, f"reached within {cfg.fo_timeout:g} s", done is not None, done_s=done, detect_s=det)
+            None, f"reached within {cfg.fo_timeout:g} s, values intact",
+            done is not None and fo["sample_bad"] == 0 and not lost, done_s=done, detect_s=det)
         w, wok = fo["reads_window"], fo["reads_window_ok"]
         lat = fo["read_lat_window"]
         lat_txt = (f", median {U.fmt_ns(U.median(lat) * 1e9)}, max {U.fmt_ns(max(lat) * 1e9)}") if lat else ""

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
@@ -45,9 +46,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("yrcache.cluster")
 
 Version = tuple[int, int]
+PARALLEL_BYTES = 1 << 20      # owners that each get more than this are sent to from threads
 QUEUE_MAX = 100_000           # objects waiting to be forwarded before an ASYNC put blocks
 TOMBSTONE_S = 60.0            # how long a delete's version is remembered
 SETTLE_S = 3.0                # a membership change is checked again this much later
+BATCH = 256                   # objects the forwarder ships per pipelined round
+LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 
 
 class Clock:
@@ -111,9 +115,10 @@ class Node(tp.Handler):
             return t[0] if t is not None else None
         return v
 
-    def apply(self, key: str, meta: bytes, nbytes: int, fill: Callable[[Any], None], version: Version,
+    def apply(self, key: str, meta: bytes, nbytes: int, fill: Any, version: Version,
               priority: int, expire_at: float, skip: Callable[[], None] | None = None) -> int:
-        """Store ``key`` at ``version`` unless this member holds a newer one."""
+        """Store ``key`` at ``version`` unless this member holds a newer one; ``fill``
+        is the payload (a buffer) or a callable that writes it (``put_with``)."""
         with self.lock(key):
             cur = self.current(key)
             if cur is not None and version <= cur:
@@ -245,56 +250,67 @@ class Forwarder:
                     self._cv.wait()
                 if self._stop:
                     return
-                key, (version, targets) = self._q.popitem(last=False)
-                self._busy += 1
+                if len(self._q) < BATCH:
+                    self._cv.wait(LINGER_S)       # let a burst of writes gather into one batch
+                batch = [self._q.popitem(last=False) for _ in range(min(BATCH, len(self._q)))]
+                self._busy += len(batch)
                 self._cv.notify_all()
-            retry = False
+            retry: list[tuple[str, Version]] = []
             try:
-                retry = not self._send(key, version, targets)
+                retry = self._send(batch)
             except StoreClosedError:
                 return
             except Exception as e:      # noqa: BLE001 - logged, retried
-                log.warning("forwarding %r failed: %s", key, e)
-                retry = True
+                log.warning("forwarding %d objects failed: %s", len(batch), e)
+                retry = [(k, v) for k, (v, _) in batch]
             with self._cv:
-                self._busy -= 1
-                if retry and not self._stop and key not in self._q:
-                    self._q[key] = (version, None)
+                self._busy -= len(batch)
+                for k, v in retry:
+                    if not self._stop and k not in self._q:
+                        self._q[k] = (v, None)
                 self._cv.notify_all()
             if retry:
                 time.sleep(0.05)
 
-    def _send(self, key: str, version: Version, targets: tuple[str, ...] | None) -> bool:
+    def _send(self, batch: list[tuple[str, tuple[Version, tuple[str, ...] | None]]]) -> list[tuple[str, Version]]:
+        """Ship a batch, pipelined per target member; return what must be tried again."""
         node, router = self.node, self.node.router
-        if node.versions.get(key) != version:
-            return True                     # replaced or deleted since: that write forwards itself
-        owners = router.owners(key)
-        if targets is None:
-            targets = tuple(o for o in owners if o != node.member_id)
-        got = node.read(key)
-        if got is None:
-            return True
-        meta, view = got.meta, got.buf
-        exp = node.local.info(key)
-        priority = int(exp["priority"]) if exp else 0
-        expire_at = float(exp.get("expire_at") or 0.0) if exp else 0.0
-        ok = True
-        for m in targets:
-            peer = router.peer(m)
-            if peer is None:
-                ok = False
+        per_target: dict[str, list] = collections.defaultdict(list)
+        held = []
+        for key, (version, targets) in batch:
+            if node.versions.get(key) != version:
+                continue                    # replaced or deleted since: that write forwards itself
+            got = node.read(key)
+            if got is None:
                 continue
+            if targets is None:
+                targets = tuple(o for o in router.owners(key) if o != node.member_id)
+            info = node.local.info(key) or {}
+            item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
+                    float(info.get("expire_at") or 0.0))
+            held.append((key, version, targets))
+            for m in targets:
+                per_target[m].append(item)
+        failed: set[str] = set()
+        for m, items in per_target.items():
+            peer = router.peer(m)
             try:
-                peer.put(key, meta, view, view.nbytes, version, priority=priority, expire_at=expire_at)
-                self.sent += 1
-                self.sent_bytes += view.nbytes
+                if peer is None:
+                    raise ClusterUnavailableError(f"member {m} left")
+                peer.mput(items)
+                self.sent += len(items)
+                self.sent_bytes += sum(it[3] for it in items)
             except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
-                log.info("forwarding %r to %s: %s (will retry)", key, m, e)
-                ok = False
-        del view, got
-        if ok and node.member_id not in router.owners(key):
-            node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
-        return ok
+                log.info("forwarding %d objects to %s: %s (will retry)", len(items), m, e)
+                failed.update(it[0] for it in items)
+        del per_target
+        retry = []
+        for key, version, _ in held:
+            if key in failed:
+                retry.append((key, version))
+            elif node.member_id not in router.owners(key):
+                node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
+        return retry
 
 
 class Rebalancer:
@@ -383,6 +399,15 @@ class Rebalancer:
         return incomplete or bool(moved)
 
 
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-send"))
+    return _POOL[0]
+
+
 # ---- the client side -------------------------------------------------------------------
 class Router:
     """Where a key lives and how to reach it, for every process of a cluster store."""
@@ -451,7 +476,7 @@ class Router:
                priority: int, expire_at: float, flags: int = 0, timeout: float | None = None) -> int:
         node = self.node
         if node is not None and member == node.member_id:
-            status = node.apply(key, meta, nbytes, _filler(payload, nbytes), version, priority, expire_at)
+            status = node.apply(key, meta, nbytes, payload, version, priority, expire_at)
             if status == tp.OK and flags & tp.F_REPLICATE:
                 node.forwarder.add(key, version)
             return status
@@ -470,20 +495,102 @@ class Router:
             self.put_to(first, key, meta, payload, nbytes, version, priority, expire_at, tp.F_REPLICATE, timeout)
             return
         owners = self.owners(key, 1 if mode is WriteMode.NONE else None)
-        if self.member_id in owners:               # our own copy first: the cheapest
-            owners.remove(self.member_id)
-            owners.insert(0, self.member_id)
-        failed = []
-        for m in owners:
-            try:
-                self.put_to(m, key, meta, payload, nbytes, version, priority, expire_at, 0, timeout)
-            except ClusterUnavailableError as e:
-                failed.append(f"{m} ({e})")
+        item = (key, meta, payload, nbytes, version, priority, expire_at)
+        failed = self.fan_out({m: [item] for m in owners}, 0, timeout)
         if failed:
             raise ClusterUnavailableError(
                 f"put {key!r}: {len(failed)} of {len(owners)} owners did not take the write "
                 f"({'; '.join(failed)}); the others hold it and it is re-replicated when the "
                 "member set settles")
+
+    def fan_out(self, per_member: dict[str, list], flags: int, timeout: float | None) -> list[str]:
+        """Send each member its pipeline of puts at once, then collect the replies
+        (one round trip for all owners); this member's own share is applied while
+        the others work. Returns ``"member (why)"`` for each member that failed."""
+        node = self.node
+        failed: list[str] = []
+        sent: list[tuple[str, tp.Peer, tp.Conn, int]] = []
+        big = [m for m, items in per_member.items() if sum(it[3] for it in items) > PARALLEL_BYTES]
+        if len(big) > 1:                    # large payloads: one sending thread per member
+            pool = _pool()
+            futs = {m: pool.submit(self._put_items, m, items, flags, timeout) for m, items in per_member.items()}
+            return [err for f in futs.values() if (err := f.result())]
+        for m, items in per_member.items():
+            if node is not None and m == node.member_id:
+                continue
+            peer = self.peer(m)
+            if peer is None:
+                failed.append(f"{m} (left the cluster)")
+                continue
+            try:
+                c = peer.borrow(timeout)
+            except (ClusterUnavailableError, OSError) as e:
+                failed.append(f"{m} ({peer.error(e, timeout)})")
+                continue
+            try:
+                tp.send_puts(c, items, flags)
+            except (ConnectionError, OSError):
+                c.sock.close()
+                err = self._put_items(m, items, flags, timeout)   # a stale pooled connection: once more
+                if err:
+                    failed.append(err)
+                continue
+            sent.append((m, peer, c, len(items)))
+        if node is not None and node.member_id in per_member:
+            err = self._put_items(node.member_id, per_member[node.member_id], flags, timeout)
+            if err:
+                failed.append(err)
+        for m, peer, c, n in sent:
+            try:
+                for _ in range(n):
+                    c.reply(tp.PUT)
+                peer.give_back(c)
+            except tp.RemoteError as e:         # the rest of its replies are unread: drop the connection
+                c.sock.close()
+                failed.append(f"{m} ({e})")
+            except (ConnectionError, OSError) as e:
+                c.sock.close()
+                failed.append(f"{m} ({peer.error(e, timeout)})")
+        return failed
+
+    def _put_items(self, m: str, items: list, flags: int, timeout: float | None) -> str | None:
+        node = self.node
+        try:
+            if node is not None and m == node.member_id:
+                for key, meta, payload, nbytes, version, priority, expire_at in items:
+                    self.put_to(m, key, meta, payload, nbytes, version, priority, expire_at, flags)
+                return None
+            peer = self.peer(m)
+            if peer is None:
+                return f"{m} (left the cluster)"
+            peer.mput(items, flags=flags, timeout=timeout)
+        except (ClusterUnavailableError, tp.RemoteError) as e:
+            return f"{m} ({e})"
+        return None
+
+    def mread(self, per_member: dict[str, list[str]]) -> dict[str, tp.Got | None]:
+        """Pipelined reads from several members at once (requests out first, then replies);
+        a key a member does not answer for maps to None (the caller fails over)."""
+        out: dict[str, tp.Got | None] = {}
+        sent = []
+        for m, keys in per_member.items():
+            peer = self.peer(m)
+            if peer is None:
+                continue
+            try:
+                c = peer.borrow()
+                c.sock.sendall(b"".join(tp.pack(tp.GET, k.encode(), length=tp.ALL) for k in keys))
+            except (ClusterUnavailableError, OSError):
+                continue
+            sent.append((peer, c, keys))
+        for peer, c, keys in sent:
+            try:
+                for k in keys:
+                    out[k] = c.recv_get()
+                peer.give_back(c)
+            except (ConnectionError, OSError, tp.RemoteError):
+                c.sock.close()
+        return out
 
     def delete(self, key: str) -> bool:
         version = self.clock.next()
@@ -502,8 +609,8 @@ class Router:
         return found
 
     # -- reads
-    def read(self, key: str, offset: int = 0, length: int = tp.ALL,
-             skip: str | None = None) -> tp.Got | None:
+    def read(self, key: str, offset: int = 0, length: int = tp.ALL, skip: str | None = None,
+             into: Callable[[bytes, int], Any] | None = None) -> tp.Got | None:
         """Fetch ``key`` from its owners, then (while objects move) from the other members."""
         owners = self.owners(key)
         others = [m for m in self.ring.members if m not in owners]
@@ -517,7 +624,7 @@ class Router:
                     got = node.read(key, offset, length)
                 else:
                     peer = self.peer(m)
-                    got = peer.get(key, offset, length) if peer is not None else None
+                    got = peer.get(key, offset, length, into=into) if peer is not None else None
             except ClusterUnavailableError as e:
                 errors.append(f"{m}: {e}")
                 continue
@@ -572,13 +679,6 @@ class Router:
                 except ClusterUnavailableError:
                     ok = False
         return ok
-
-
-def _filler(payload: Any, nbytes: int) -> Callable[[Any], None]:
-    def fill(dst: Any) -> None:
-        if nbytes:
-            memoryview(dst).cast("B")[:nbytes] = memoryview(payload).cast("B")
-    return fill
 
 
 def group(keys: Iterable[str], owner: Callable[[str], str]) -> dict[str, list[str]]:

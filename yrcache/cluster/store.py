@@ -20,6 +20,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
+
 from .. import codec
 from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError, StoreNotFoundError
@@ -230,20 +232,7 @@ class ClusterStore(TieredStore):
                 targets = router.owners(k, 1 if mode is WriteMode.NONE else None)
             for m in targets:
                 by_member.setdefault(m, []).append((k, meta, payload, nbytes, version, pr, exp))
-        failed = []
-        for m, batch in by_member.items():
-            try:
-                if self._node is not None and m == self._node.member_id:
-                    for k, meta, payload, nbytes, version, p, e in batch:
-                        router.put_to(m, k, meta, payload, nbytes, version, p, e, flags)
-                    continue
-                peer = router.peer(m)
-                if peer is None:
-                    raise ClusterUnavailableError(f"member {m} left the cluster")
-                for i in range(0, len(batch), 256):
-                    peer.mput(batch[i:i + 256], flags=flags, timeout=sync_timeout)
-            except ClusterUnavailableError as e:
-                failed.append(f"{m} ({e})")
+        failed = router.fan_out(by_member, flags, sync_timeout)
         if failed:
             raise ClusterUnavailableError(f"mset: owners did not take their writes: {'; '.join(failed)}")
         self._ops["puts"] += len(pairs)
@@ -315,15 +304,11 @@ class ClusterStore(TieredStore):
                 owners = router.owners(k)
                 if owners:
                     todo.setdefault(owners[0], []).append(i)
-        for m, idx in todo.items():
-            got: list[Any] = [None] * len(idx)
-            peer = router.peer(m) if m != router.member_id or self._node is None else None
-            if peer is not None:
-                try:
-                    got = peer.mget([keys[i] for i in idx])
-                except ClusterUnavailableError:
-                    pass
-            for i, g in zip(idx, got):
+        got = router.mread({m: [keys[i] for i in idx] for m, idx in todo.items()
+                            if self._node is None or m != self._node.member_id})
+        for idx in todo.values():
+            for i in idx:
+                g = got.get(keys[i])
                 if g is None:
                     g = router.read(keys[i])         # fail-over, or still moving
                 if g is None:
@@ -355,6 +340,26 @@ class ClusterStore(TieredStore):
 
     # ---- the rest of the store API -----------------------------------------------------
     def get_into(self, key: str, out: Any) -> Any:
+        """Copy ``key``'s value into ``out`` (see ``TieredStore.get_into``): from this node's
+        arena when it holds a copy, else received from an owner straight into ``out``."""
+        self._check_open()
+        if self._local is not None and self._local_get(key) is not None:
+            return self._local.get_into(key, out)
+        try:
+            dst = codec.as_bytes_view(out)
+        except TypeError:                  # a device tensor: through host memory
+            dst = None
+        if dst is not None:
+            def into(meta: bytes, n: int) -> Any:
+                codec.check_into(key, meta, out, n)
+                return dst
+            got = self._router.read(key, into=into)
+            if got is None:
+                raise KeyError(key)
+            if got.buf is not dst:
+                codec.check_into(key, got.meta, out, len(got.buf))
+                codec.copy_bytes(np.frombuffer(got.buf, np.uint8), out)
+            return out
         value = self.get(key, _MISSING)
         if value is _MISSING:
             raise KeyError(key)
