@@ -309,6 +309,61 @@ def test_etcd_restart_mid_run_drops_no_member(harness, etcd):
         assert st["etcd"]["etcd"] == "ok" and len(st["members"]) == 4
 
 
+def test_none_mode_keeps_one_copy_through_a_join(harness):
+    harness.start(2)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 2)
+        for i in range(100):
+            c.put(f"n{i}", value(i), write_mode="none")
+        assert all(v == 1 for v in harness.copies().values())
+        harness.start(1)
+        harness.wait_members(c, 3)
+
+        def moved() -> bool:
+            held = {nd.member_id: nd.keys() for nd in harness.live()}
+            return all([m for m, ks in held.items() if f"n{i}" in ks] == c._router.owners(f"n{i}", 1)
+                       for i in range(100))
+        wait_for(moved, 20, "each NONE object on its one new owner")
+        assert all(int(c[f"n{i}"][0]) == i for i in range(100))
+
+
+def test_a_restarted_member_does_not_bring_back_deleted_keys(harness):
+    from cluster_util import NodeProc
+
+    a, b = harness.start(2)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 2)
+        for i in range(50):
+            c[f"d{i}"] = value(i)
+        a.sigkill()                                    # its arena stays in /dev/shm
+        harness.wait_members(c, 1, timeout=TTL + 10)
+        assert c.delete("d7") and "d7" not in c
+        again = NodeProc(harness.env, a.name, harness.tmp)    # same name: adopts the old segment
+        harness.nodes.append(again)
+        harness.wait_members(c, 2)
+        wait_for(lambda: len(again.keys()) == 49, 20, "the restarted member filled again")
+        assert "d7" not in again.keys() and "d7" not in c
+        assert len(c) == 49
+
+
+def test_a_client_left_open_does_not_hang_the_interpreter_at_exit(harness):
+    harness.start(1)
+    code = ("from yrcache import TieredStore\n"
+            "s = TieredStore(member=False)\n"
+            "s['k'] = b'v'\n"
+            "t = TieredStore(name='open-member-" + harness.cluster + "', dram='16MiB')\n"
+            "print(bytes(s['k']), t.role)\n")
+    env = dict(harness.env)
+    r = subprocess.run([sys.executable, "-c", code], env=env, timeout=60, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["b'v'", "member"]
+    assert not os.path.exists(f"/dev/shm/yrcache.open-member-{harness.cluster}")
+    # it left the cluster on its way out (its lease revoked), not by expiring TTL seconds later
+    prefix = f"/yrcache/{harness.cluster}/nodes/".encode()
+    left = [m.key for _, m in harness.etcd.client().get_prefix(prefix)]
+    assert left == [prefix + harness.nodes[0].member_id.encode()], left
+
+
 # ---- the data port under attack --------------------------------------------------------
 def test_wrong_token_and_garbage_frames(etcd, tmp_path):
     h = ClusterHarness(etcd, tmp_path, YRCACHE_TOKEN="s3cret")
@@ -319,6 +374,14 @@ def test_wrong_token_and_garbage_frames(etcd, tmp_path):
             tp.Peer(node.address, b"wrong").ping()
         with pytest.raises(AuthenticationError):
             tp.Peer(node.address, None).ping()
+        with TieredStore(cluster=f"etcd://{etcd.endpoint}/{h.cluster}", member=False, token="wrong") as bad:
+            h.wait_members(bad, 1)
+            with pytest.raises(AuthenticationError):
+                bad["k"] = b"v"
+            with pytest.raises(AuthenticationError):
+                bad.get("k")
+            with pytest.raises(AuthenticationError):
+                bad.mset({"a": b"1", "b": b"2"})
 
         def raw(send: bytes, authed: bool = True) -> bytes:
             s = socket.create_connection((host, port), timeout=5)

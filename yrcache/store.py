@@ -252,7 +252,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         tensor when this process has an HBM tier); ``priority`` orders
         demotion (lower leaves a fast tier first); ``ttl`` makes the object
         invisible after that many seconds; ``write_mode`` is validated (it
-        matters only in cluster mode, not built yet).  Raises
+        matters only to a cluster store, docs/cluster.md).  Raises
         ``StoreFullError`` when no tier has room, ``TypeError`` for a value
         the store cannot hold.
 
@@ -290,17 +290,22 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._placement.put(kb, meta, payload, nbytes, priority, expire_at, tier)
 
-    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Callable[[np.ndarray], None], *,
-                 priority: int = 0, ttl: float | None = None) -> None:
+    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Callable[[np.ndarray], None] | Any, *,
+                 priority: int = 0, ttl: float | None = None, tier: Tier | None = None) -> None:
         """Reserve ``nbytes`` for ``key``, let ``fill(view)`` write them, then publish.
 
         ``view`` is a writable flat uint8 ndarray over the arena block; ``fill``
         may cast or copy from a device straight into it (one copy in all).  If
         ``fill`` raises, nothing becomes visible.  ``meta`` comes from
-        ``codec.tensor_meta``/``codec.array_meta``.
+        ``codec.tensor_meta``/``codec.array_meta``.  ``fill`` may also be a
+        contiguous buffer of ``nbytes`` to copy (an already encoded payload).
+        ``tier``: DRAM (the default) or SSD; these bytes are host memory, so HBM
+        means DRAM here.
         """
         self._check_open()
-        self._placement.put(key_bytes(key), meta, fill, int(nbytes), _priority(priority), _expire_at(ttl))
+        t = self._check_tier(tier)
+        self._placement.put(key_bytes(key), meta, fill, int(nbytes), _priority(priority), _expire_at(ttl),
+                            None if t == Tier.HBM else t)
 
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,

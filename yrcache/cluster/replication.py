@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -34,8 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
-from ..config import WriteMode
-from ..errors import ClusterUnavailableError, StoreClosedError
+from ..config import Tier, WriteMode
+from ..errors import AuthenticationError, ClusterUnavailableError, StoreClosedError
 from . import transport as tp
 from .membership import MemberInfo
 from .ring import Ring
@@ -47,9 +48,11 @@ log = logging.getLogger("yrcache.cluster")
 
 Version = tuple[int, int]
 PARALLEL_BYTES = 1 << 20      # owners that each get more than this are sent to from threads
+OWNERS_CACHE = 1 << 16        # keys whose owners are remembered until the ring changes
 QUEUE_MAX = 100_000           # objects waiting to be forwarded before an ASYNC put blocks
 TOMBSTONE_S = 60.0            # how long a delete's version is remembered
 SETTLE_S = 3.0                # a membership change is checked again this much later
+REPAIR_S = float(os.environ.get("YRCACHE_REPAIR_S") or 30.0)   # and every member checks this often
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 
@@ -73,11 +76,16 @@ class Clock:
                 self._last = hlc
 
 
-def check_wire_meta(meta: bytes, nbytes: int) -> None:
-    """Refuse a header that is pickled, unreadable or disagrees with the payload size."""
+@functools.lru_cache(maxsize=4096)
+def _wire_nbytes(meta: bytes) -> int | None:
     if meta[:1] == b"P":
         raise ValueError("pickled objects never travel between members; store bytes, arrays or tensors")
-    want = codec.payload_nbytes(meta)
+    return codec.payload_nbytes(meta)
+
+
+def check_wire_meta(meta: bytes, nbytes: int) -> None:
+    """Refuse a header that is pickled, unreadable or disagrees with the payload size."""
+    want = _wire_nbytes(meta)
     if want is not None and want != nbytes:
         raise ValueError(f"header {meta[:60]!r} says {want} bytes, the frame carries {nbytes}")
 
@@ -97,6 +105,7 @@ class Node(tp.Handler):
         self.router = router
         self.versions: dict[str, Version] = {}
         self.tombs: dict[str, tuple[Version, float]] = {}
+        self.single: set[str] = set()        # WriteMode.NONE objects: one copy, on their first owner
         self._locks = [threading.Lock() for _ in range(64)]
         self.forwarder = Forwarder(self)
         self.rebalancer = Rebalancer(self)
@@ -108,6 +117,10 @@ class Node(tp.Handler):
     def lock(self, key: str) -> threading.Lock:
         return self._locks[hash(key) & 63]
 
+    def owners(self, key: str) -> list[str]:
+        """Who should hold our copy of ``key``: one member for a ``NONE`` object."""
+        return self.router.owners(key, 1 if key in self.single else None)
+
     def current(self, key: str) -> Version | None:
         v = self.versions.get(key)
         if v is None:
@@ -116,9 +129,10 @@ class Node(tp.Handler):
         return v
 
     def apply(self, key: str, meta: bytes, nbytes: int, fill: Any, version: Version,
-              priority: int, expire_at: float, skip: Callable[[], None] | None = None) -> int:
+              priority: int, expire_at: float, skip: Callable[[], None] | None = None, flags: int = 0) -> int:
         """Store ``key`` at ``version`` unless this member holds a newer one; ``fill``
-        is the payload (a buffer) or a callable that writes it (``put_with``)."""
+        is the payload (a buffer) or a callable that writes it (``put_with``);
+        ``flags``: the frame's (single copy, tier hint)."""
         with self.lock(key):
             cur = self.current(key)
             if cur is not None and version <= cur:
@@ -126,9 +140,15 @@ class Node(tp.Handler):
                     skip()
                 return tp.STALE
             ttl = None if not expire_at else max(expire_at - time.time(), 1e-3)
-            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl)
+            t = (flags >> tp.TIER_SHIFT) & 7
+            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl,
+                                tier=Tier(t - 1) if t else None)
             self.versions[key] = version
             self.tombs.pop(key, None)
+            if flags & tp.F_SINGLE:
+                self.single.add(key)
+            else:
+                self.single.discard(key)
         self.router.clock.observe(version[0])
         return tp.OK
 
@@ -139,6 +159,7 @@ class Node(tp.Handler):
                 return tp.STALE
             existed = self.local.delete(key)
             self.versions.pop(key, None)
+            self.single.discard(key)
             self.tombs[key] = (version, time.monotonic())
         if len(self.tombs) > 10_000:
             old = time.monotonic() - TOMBSTONE_S
@@ -153,6 +174,7 @@ class Node(tp.Handler):
             if self.versions.get(key) == version:
                 self.local.delete(key)
                 self.versions.pop(key, None)
+                self.single.discard(key)
 
     def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tp.Got | None:
         value = self.local.get(key)
@@ -166,15 +188,27 @@ class Node(tp.Handler):
         return tp.Got(meta, view, self.versions.get(key, (0, 0)), tier)
 
     # -- transport.Handler
-    def put(self, f: tp.Frame, fill: Callable[[Any], None], skip: Callable[[], None]) -> int:
+    def put(self, f: tp.Frame, fill: Any, skip: Callable[[], None]) -> int:
         check_wire_meta(f.meta, f.plen)
-        status = self.apply(f.key, f.meta, f.plen, fill, f.version, f.priority, f.expire_at, skip)
+        status = self.apply(f.key, f.meta, f.plen, fill, f.version, f.priority, f.expire_at, skip, f.flags)
         if status == tp.OK and f.flags & tp.F_REPLICATE:
             self.forwarder.add(f.key, f.version)
         return status
 
     def get(self, f: tp.Frame):
         return self.read(f.key, f.offset, f.length)
+
+    def get_many(self, keys: list[str]) -> list[tp.Got | None]:
+        out: list[tp.Got | None] = []
+        versions = self.versions
+        for k, value in zip(keys, self.local.mget(keys)):
+            if value is None:
+                out.append(None)
+                continue
+            meta, payload, nbytes = codec.encode(value)
+            out.append(tp.Got(meta, memoryview(payload).cast("B") if nbytes else memoryview(b""),
+                              versions.get(k, (0, 0))))
+        return out
 
     def delete(self, f: tp.Frame) -> int:
         return self.remove(f.key, f.version)
@@ -284,7 +318,7 @@ class Forwarder:
             if got is None:
                 continue
             if targets is None:
-                targets = tuple(o for o in router.owners(key) if o != node.member_id)
+                targets = tuple(o for o in node.owners(key) if o != node.member_id)
             info = node.local.info(key) or {}
             item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
                     float(info.get("expire_at") or 0.0))
@@ -292,12 +326,15 @@ class Forwarder:
             for m in targets:
                 per_target[m].append(item)
         failed: set[str] = set()
+        stale: set[str] = set()
         for m, items in per_target.items():
             peer = router.peer(m)
             try:
                 if peer is None:
                     raise ClusterUnavailableError(f"member {m} left")
-                peer.mput(items)
+                for it, status in zip(items, peer.mput(items)):
+                    if status == tp.STALE:      # it holds something newer (or a delete): ours is outdated
+                        stale.add(it[0])
                 self.sent += len(items)
                 self.sent_bytes += sum(it[3] for it in items)
             except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
@@ -308,7 +345,7 @@ class Forwarder:
         for key, version, _ in held:
             if key in failed:
                 retry.append((key, version))
-            elif node.member_id not in router.owners(key):
+            elif key in stale or node.member_id not in node.owners(key):
                 node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
         return retry
 
@@ -353,8 +390,8 @@ class Rebalancer:
                 log.warning("rebalancing pass failed: %s", e)
                 again = True
             with self._cv:
-                if again and self._due is None:
-                    self._due = time.monotonic() + SETTLE_S
+                if self._due is None:       # also a periodic pass: repairs what a failed write missed
+                    self._due = time.monotonic() + (SETTLE_S if again else REPAIR_S)
 
     def run_pass(self) -> bool:
         """One pass over the local objects; True if something still needs doing."""
@@ -363,7 +400,7 @@ class Rebalancer:
         want: dict[str, list[tuple[str, Version]]] = collections.defaultdict(list)
         mine = [(k, v) for k, v in list(node.versions.items())]
         for k, v in mine:
-            for o in router.owners(k):
+            for o in node.owners(k):
                 if o != me:
                     want[o].append((k, v))
         missing: dict[str, list[str]] = collections.defaultdict(list)
@@ -385,7 +422,7 @@ class Rebalancer:
                         missing[k].append(m)
         moved = 0
         for k, v in mine:
-            owners = router.owners(k)
+            owners = node.owners(k)
             targets = tuple(missing.get(k, ()))
             if targets:
                 node.forwarder.add(k, v, targets)
@@ -419,6 +456,7 @@ class Router:
         self.node: Node | None = None       # set in the member process
         self.clock = Clock()
         self.ring = Ring()
+        self._owners: dict[str, list[str]] = {}
         self.members: dict[str, MemberInfo] = {}
         self._peers: dict[str, tp.Peer] = {}
         self._lock = threading.Lock()
@@ -430,6 +468,7 @@ class Router:
             old = set(self.members)
             self.members = dict(members)
             self.ring = Ring(sorted(members))
+            self._owners = {}
             for mid, p in list(self._peers.items()):
                 info = members.get(mid)
                 if info is None or info.address != p.address:
@@ -448,11 +487,23 @@ class Router:
             self._peers.clear()
 
     def owners(self, key: str, r: int | None = None) -> list[str]:
+        """The members that own ``key`` (``r``: how many; default ``replicas``). The
+        default answer is cached until the ring changes: do not mutate it."""
+        cache = self._owners          # read before the ring: update() replaces the ring first
+        if r is None:
+            got = cache.get(key)
+            if got is not None:
+                return got
         ring = self.ring
         n = len(ring)
         if not n:
             return []
-        return ring.owners(key, min(r or self.replicas, n))
+        out = ring.owners(key, min(r or self.replicas, n))
+        if r is None:
+            if len(cache) >= OWNERS_CACHE:
+                cache.clear()
+            cache[key] = out
+        return out
 
     def peer(self, member_id: str) -> tp.Peer | None:
         with self._lock:
@@ -476,7 +527,7 @@ class Router:
                priority: int, expire_at: float, flags: int = 0, timeout: float | None = None) -> int:
         node = self.node
         if node is not None and member == node.member_id:
-            status = node.apply(key, meta, nbytes, payload, version, priority, expire_at)
+            status = node.apply(key, meta, nbytes, payload, version, priority, expire_at, flags=flags)
             if status == tp.OK and flags & tp.F_REPLICATE:
                 node.forwarder.add(key, version)
             return status
@@ -486,22 +537,28 @@ class Router:
         return peer.put(key, meta, payload, nbytes, version, priority=priority, expire_at=expire_at,
                         flags=flags, timeout=timeout)
 
-    def put(self, key: str, meta: bytes, payload: Any, nbytes: int, priority: int, expire_at: float,
-            mode: WriteMode, timeout: float | None) -> None:
-        self._need_members()
-        version = self.clock.next()
+    def targets(self, key: str, mode: WriteMode) -> tuple[list[str], int]:
+        """Where a write goes first and the frame flags that say what follows."""
         if mode is WriteMode.ASYNC:
-            first = self.member_id if self.member_id in self.members else self.owners(key)[0]
-            self.put_to(first, key, meta, payload, nbytes, version, priority, expire_at, tp.F_REPLICATE, timeout)
-            return
-        owners = self.owners(key, 1 if mode is WriteMode.NONE else None)
-        item = (key, meta, payload, nbytes, version, priority, expire_at)
-        failed = self.fan_out({m: [item] for m in owners}, 0, timeout)
+            return [self.member_id if self.member_id in self.members else self.owners(key)[0]], tp.F_REPLICATE
+        if mode is WriteMode.NONE:
+            return self.owners(key, 1), tp.F_SINGLE
+        return self.owners(key), 0
+
+    def put(self, key: str, meta: bytes, payload: Any, nbytes: int, priority: int, expire_at: float,
+            mode: WriteMode, timeout: float | None, tier: Tier | None = None) -> None:
+        self._need_members()
+        owners, flags = self.targets(key, mode)
+        if tier is not None:
+            flags |= (int(tier) + 1) << tp.TIER_SHIFT
+        item = (key, meta, payload, nbytes, self.clock.next(), priority, expire_at)
+        failed = self.fan_out({m: [item] for m in owners}, flags, timeout)
         if failed:
+            rest = ("the others hold it and it is copied to the rest when the member set settles"
+                    if len(failed) < len(owners) else "nobody holds it: put it again")
             raise ClusterUnavailableError(
                 f"put {key!r}: {len(failed)} of {len(owners)} owners did not take the write "
-                f"({'; '.join(failed)}); the others hold it and it is re-replicated when the "
-                "member set settles")
+                f"({'; '.join(failed)}); {rest}")
 
     def fan_out(self, per_member: dict[str, list], flags: int, timeout: float | None) -> list[str]:
         """Send each member its pipeline of puts at once, then collect the replies
@@ -509,7 +566,7 @@ class Router:
         the others work. Returns ``"member (why)"`` for each member that failed."""
         node = self.node
         failed: list[str] = []
-        sent: list[tuple[str, tp.Peer, tp.Conn, int]] = []
+        sent: list[tuple[str, tp.Peer, tp.Conn, list[int]]] = []
         big = [m for m, items in per_member.items() if sum(it[3] for it in items) > PARALLEL_BYTES]
         if len(big) > 1:                    # large payloads: one sending thread per member
             pool = _pool()
@@ -524,26 +581,30 @@ class Router:
                 continue
             try:
                 c = peer.borrow(timeout)
+            except AuthenticationError:
+                raise
             except (ClusterUnavailableError, OSError) as e:
                 failed.append(f"{m} ({peer.error(e, timeout)})")
                 continue
             try:
-                tp.send_puts(c, items, flags)
+                frames = tp.send_puts(c, items, flags)
             except (ConnectionError, OSError):
                 c.sock.close()
                 err = self._put_items(m, items, flags, timeout)   # a stale pooled connection: once more
                 if err:
                     failed.append(err)
                 continue
-            sent.append((m, peer, c, len(items)))
+            sent.append((m, peer, c, frames))
         if node is not None and node.member_id in per_member:
-            err = self._put_items(node.member_id, per_member[node.member_id], flags, timeout)
+            try:
+                err = self._put_items(node.member_id, per_member[node.member_id], flags, timeout)
+            except Exception as e:      # noqa: BLE001 - the remote replies are still to be read
+                err = f"{node.member_id} ({type(e).__name__}: {e})"
             if err:
                 failed.append(err)
-        for m, peer, c, n in sent:
+        for m, peer, c, frames in sent:
             try:
-                for _ in range(n):
-                    c.reply(tp.PUT)
+                tp.recv_puts(c, frames)
                 peer.give_back(c)
             except tp.RemoteError as e:         # the rest of its replies are unread: drop the connection
                 c.sock.close()
@@ -577,16 +638,17 @@ class Router:
             peer = self.peer(m)
             if peer is None:
                 continue
+            keys = keys[:tp.MAX_BATCH]          # the rest fail over one by one
             try:
                 c = peer.borrow()
-                c.sock.sendall(b"".join(tp.pack(tp.GET, k.encode(), length=tp.ALL) for k in keys))
+                c.send_mget(keys)
             except (ClusterUnavailableError, OSError):
                 continue
             sent.append((peer, c, keys))
         for peer, c, keys in sent:
             try:
-                for k in keys:
-                    out[k] = c.recv_get()
+                for k, g in zip(keys, c.recv_mget(len(keys))):
+                    out[k] = g
                 peer.give_back(c)
             except (ConnectionError, OSError, tp.RemoteError):
                 c.sock.close()
@@ -626,11 +688,12 @@ class Router:
                     peer = self.peer(m)
                     got = peer.get(key, offset, length, into=into) if peer is not None else None
             except ClusterUnavailableError as e:
-                errors.append(f"{m}: {e}")
+                if m in owners:
+                    errors.append(f"{m}: {e}")
                 continue
             if got is not None:
                 return got
-        if errors and len(errors) >= len(owners):
+        if owners and len(errors) >= len([m for m in owners if m != skip]) > 0:
             raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
         return None
 

@@ -11,11 +11,14 @@ every operation over TCP.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlparse
@@ -33,6 +36,19 @@ from .membership import Membership, check_name
 from .replication import Node, Router, decode
 
 log = logging.getLogger("yrcache.cluster")
+_LIVE: dict[int, weakref.ref[ClusterStore]] = {}      # stores to close at exit (a mapping is unhashable)
+
+
+@atexit.register
+def _close_all() -> None:
+    """Leave the cluster before the interpreter tears down (etcd's channel cannot close later)."""
+    for ref in list(_LIVE.values()):
+        s = ref()
+        try:
+            if s is not None:
+                s.close()
+        except Exception:       # noqa: BLE001 - exiting anyway
+            pass
 
 _MISSING = object()
 _ENV_TRUE = ("1", "true", "yes", "on")
@@ -93,6 +109,7 @@ class ClusterStore(TieredStore):
         token_b = tok.encode() if tok else None
         ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
         self.name = name or os.environ.get("YRCACHE_NAME") or f"yrcache-{self.cluster}"
+        _LIVE[id(self)] = weakref.ref(self)
         self._router = Router(self.replicas, token_b)
         self._ops = dict.fromkeys(("hits", "misses", "puts", "deletes"), 0)
         try:
@@ -102,6 +119,7 @@ class ClusterStore(TieredStore):
                 return
             self._open_local(pickle, local)
             if self.role == "member":
+                self._forget_old_objects()
                 self._serve(endpoints, ttl, listen, token_b)
             else:
                 self._router.member_id = self._wait_member_id()
@@ -127,6 +145,17 @@ class ClusterStore(TieredStore):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.02)
+
+    def _forget_old_objects(self) -> None:
+        """A member starts empty: objects left in an adopted arena (or SSD directory) from an
+        earlier run carry no version, so they could bring back keys deleted meanwhile; the
+        cluster's other copies are the truth, and rebalancing fills this member again."""
+        assert self._local is not None
+        n = len(self._local)
+        if n:
+            log.warning("store %r held %d objects from an earlier run; a rejoining member starts "
+                        "empty (the other members hold the current copies)", self.name, n)
+            self._local.clear()
 
     def _serve(self, endpoints: str, ttl: float, listen: str | None, token: bytes | None) -> None:
         assert self._local is not None
@@ -203,7 +232,7 @@ class ClusterStore(TieredStore):
         key_bytes(key)
         meta, payload, nbytes = self._encode(value)
         self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
-                         self._mode(write_mode), sync_timeout)
+                         self._mode(write_mode), sync_timeout, _tier(tier))
         self._ops["puts"] += 1
 
     def __setitem__(self, key: str, value: Value) -> None:
@@ -225,13 +254,12 @@ class ClusterStore(TieredStore):
         for k, v in pairs:
             meta, payload, nbytes = self._encode(v)
             version = router.clock.next()
-            if mode is WriteMode.ASYNC:
-                targets = [router.member_id if router.member_id in router.members else router.owners(k)[0]]
-                flags = tp.F_REPLICATE
-            else:
-                targets = router.owners(k, 1 if mode is WriteMode.NONE else None)
+            targets, flags = router.targets(k, mode)
             for m in targets:
                 by_member.setdefault(m, []).append((k, meta, payload, nbytes, version, pr, exp))
+        t = _tier(tier)
+        if t is not None:
+            flags |= (int(t) + 1) << tp.TIER_SHIFT
         failed = router.fan_out(by_member, flags, sync_timeout)
         if failed:
             raise ClusterUnavailableError(f"mset: owners did not take their writes: {'; '.join(failed)}")
@@ -434,6 +462,7 @@ class ClusterStore(TieredStore):
         if self._closed:
             return
         self._closed = True
+        _LIVE.pop(id(self), None)
         if handover and self._node is not None and self._membership is not None:
             self._handover()
         for part in (self._membership, self._server):
@@ -475,6 +504,8 @@ class ClusterStore(TieredStore):
         return f"<ClusterStore {self.name!r} cluster={self.cluster!r} {state}>"
 
     def __del__(self):
+        if sys.is_finalizing():        # too late to talk to etcd; atexit already closed us
+            return
         try:
             self.close()
         except Exception:
@@ -482,6 +513,14 @@ class ClusterStore(TieredStore):
 
 
 TieredStore._cluster_class = ClusterStore
+
+
+def _tier(tier: Tier | None) -> Tier | None:
+    if tier is None:
+        return None
+    if not isinstance(tier, Tier):
+        raise TypeError(f"tier must be a yrcache.Tier, not {type(tier).__name__}")
+    return tier
 
 
 def _rebuild(args: dict) -> ClusterStore:

@@ -31,9 +31,10 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
+
+import cffi
 
 from ..errors import AuthenticationError, ClusterUnavailableError, YrcacheError
 
@@ -52,15 +53,22 @@ NONCE = 32
 ALL = (1 << 64) - 1             # length of a read that wants the whole object
 
 # ops
-PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING = range(1, 9)
+PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET = range(1, 11)
 OP_NAMES = {PUT: "put", GET: "get", DELETE: "delete", KEYS: "keys", HAVE: "have", STAT: "stat",
-            FLUSH: "flush", PING: "ping"}
+            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget"}
+MAX_BATCH = 4096                # items in one MPUT/MGET frame
 # flags
 F_REPLICATE = 1                 # put: the receiver forwards the object to the key's other owners
+F_SINGLE = 2                    # put: WriteMode.NONE, the object keeps one copy (its first owner)
+TIER_SHIFT = 8                  # put: flags >> 8 is the tier hint + 1 (0: none)
 # statuses
 OK, NOT_FOUND, STALE, FULL, ERROR = range(5)
 
 _ENTRY = struct.Struct("<HQQ")  # a KEYS/HAVE entry: klen, hlc, writer (then the key)
+# an MPUT item: klen, mlen, nbytes, hlc, writer, priority, expire_at (then key, meta, payload)
+_PUT_ITEM = struct.Struct("<HHQQQqd")
+# an MGET reply item: found, mlen, nbytes, hlc, writer (then meta, payload); the request body is keys
+_GOT_ITEM = struct.Struct("<BxHQQQ")
 
 
 class ProtocolError(YrcacheError, ConnectionError):
@@ -206,6 +214,23 @@ class Reader:
             self.start = self.end = 0
 
 
+def send_parts(sock: socket.socket, parts: list[Any]) -> None:
+    """Send buffers in order with as few syscalls as it takes (``sendmsg``, no joining copy)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = sock.sendmsg(views[:512])
+        while n:
+            k = views[0].nbytes
+            if n >= k:
+                n -= k
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+        while views and not views[0].nbytes:
+            views.pop(0)
+
+
 def read_frame(rd: Reader) -> Frame:
     """Read and check one header, its key and meta; the payload is left to read."""
     (magic, proto, op, flags, status, klen, mlen, plen, hlc, writer, priority, expire_at,
@@ -226,15 +251,53 @@ def read_frame(rd: Reader) -> Frame:
     return Frame(op, flags, status, key, meta, plen, (hlc, writer), priority, expire_at, offset, length)
 
 
-def alloc(n: int) -> Any:
-    """A fresh writable buffer of ``n`` bytes to receive an object into.
+class RecvPool:
+    """Receive buffers for large objects, reused once their values are dropped.
 
-    Large ones are mapped with ``MAP_POPULATE``: the kernel faults every page in at
-    once, about twice as fast as taking a fault per page while ``recv_into`` writes.
+    Faulting in fresh anonymous memory runs at about 1.5 GiB/s here, slower than
+    loopback TCP itself, so a fetch loop (a rollout worker taking every weight
+    version) would spend most of its time in page faults. A buffer handed out
+    here is a cffi buffer over a pooled ``mmap``; when the last view of the value
+    goes, its destructor puts the mapping back (up to ``limit`` bytes pooled).
     """
-    if n < (1 << 20) or not hasattr(mmap, "MAP_POPULATE"):
-        return bytearray(n)
-    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | mmap.MAP_POPULATE)
+
+    STEP = 1 << 20
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pooled = 0
+        self._free: dict[int, list[mmap.mmap]] = {}
+        self._lock = threading.Lock()
+        self._ffi = cffi.FFI()
+
+    def take(self, n: int) -> Any:
+        size = -(-n // self.STEP) * self.STEP
+        with self._lock:
+            free = self._free.get(size)
+            m = free.pop() if free else None
+            if m is not None:
+                self.pooled -= size
+        if m is None:
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            m = mmap.mmap(-1, size, flags=flags)
+        ffi = self._ffi
+        export = ffi.from_buffer(m)
+        ptr = ffi.gc(ffi.cast("char *", export), lambda _p, m=m, export=export: self._give(m, size))
+        return ffi.buffer(ptr, n)          # keeps ptr (and so the mapping) alive while referenced
+
+    def _give(self, m: mmap.mmap, size: int) -> None:
+        with self._lock:
+            if self.pooled + size <= self.limit:
+                self._free.setdefault(size, []).append(m)
+                self.pooled += size
+
+
+POOL = RecvPool(int(os.environ.get("YRCACHE_RECV_POOL") or 512 << 20))
+
+
+def alloc(n: int) -> Any:
+    """A writable buffer of ``n`` bytes to receive an object into (pooled from 1 MiB)."""
+    return bytearray(n) if n < RecvPool.STEP else POOL.take(n)
 
 
 def encode_entries(entries: Iterable[tuple[str, tuple[int, int]]]) -> bytes:
@@ -270,13 +333,25 @@ class Handler:
     a ``ConnectionError`` is answered with ``ERROR`` and its message.
     """
 
-    def put(self, f: Frame, fill: Callable[[Any], None], skip: Callable[[], None]) -> int:
-        """Store ``f``'s payload by calling ``fill(dst)`` once (or ``skip()``); return a status."""
+    def put(self, f: Frame, fill: Any, skip: Callable[[], None]) -> int:
+        """Store ``f``'s payload and return a status. ``fill`` is the payload itself (a
+        buffer, small ones) or a callable to call once with the destination (or call
+        ``skip()`` instead, to drop the payload)."""
         raise NotImplementedError
 
     def get(self, f: Frame) -> Got | None:
         """``f.key``'s ``[offset, offset+length)`` (its meta, version and, for length 0, tier), or None."""
         raise NotImplementedError
+
+    def get_many(self, keys: list[str]) -> list[Got | None]:
+        """Whole objects of several keys (an MGET); None where missing."""
+        out: list[Got | None] = []
+        for k in keys:
+            try:
+                out.append(self.get(Frame(GET, 0, 0, k, b"", 0, (0, 0), 0, 0.0, 0, ALL)))
+            except Exception:       # noqa: BLE001 - this key reads as missing; the batch goes on
+                out.append(None)
+        return out
 
     def delete(self, f: Frame) -> int:
         raise NotImplementedError
@@ -293,6 +368,10 @@ class Handler:
 
     def flush(self, timeout: float) -> bool:
         raise NotImplementedError
+
+
+def _nothing() -> None:
+    pass
 
 
 class Server:
@@ -369,7 +448,10 @@ class Server:
             while not self._closed:
                 self._one(conn, rd, read_frame(rd), out)
                 if out and not rd.buffered:
-                    conn.sendall(b"".join(out) if len(out) > 1 else out[0])
+                    if len(out) == 1:
+                        conn.sendall(out[0])
+                    else:
+                        send_parts(conn, out)
                     out.clear()
         except ProtocolError as e:
             self.errors += 1
@@ -383,27 +465,15 @@ class Server:
 
     def _one(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
         h = self.handler
-        if f.plen and f.op != PUT and (f.op != HAVE or f.plen > MAX_LIST):
+        if f.plen and f.op not in (PUT, MPUT) and (f.op not in (HAVE, MGET) or f.plen > MAX_LIST):
             raise ProtocolError(f"a {OP_NAMES[f.op]} request with a {f.plen} B body")
+        if f.op == MPUT:
+            return self._mput(rd, f, out)
+        if f.op == MGET:
+            return self._mget(conn, rd, f, out)
         try:
             if f.op == PUT:
-                state = [False]
-
-                def fill(dst: Any) -> None:
-                    if state[0]:
-                        raise RuntimeError("put payload read twice")
-                    state[0] = True
-                    rd.readinto(memoryview(dst).cast("B")[:f.plen])
-
-                def skip() -> None:
-                    if not state[0]:
-                        state[0] = True
-                        rd.skip(f.plen)
-                try:
-                    status = h.put(f, fill, skip)
-                finally:
-                    skip()
-                out.append(pack(PUT, status=status))
+                out.append(pack(PUT, status=self._put(rd, f)))
             elif f.op == GET:
                 got = h.get(f)
                 if got is None:
@@ -412,12 +482,8 @@ class Server:
                 view = memoryview(got.buf).cast("B")
                 out.append(pack(GET, meta=got.meta, plen=view.nbytes, version=got.version, offset=f.offset,
                                 flags=got.tier + 1))
-                if view.nbytes <= SMALL:
-                    out.append(bytes(view))
-                else:                          # straight from the pinned arena view
-                    conn.sendall(b"".join(out))
-                    out.clear()
-                    conn.sendall(view)
+                if view.nbytes:
+                    out.append(view)           # sent from the pinned arena view, not copied
             elif f.op == DELETE:
                 out.append(pack(DELETE, status=h.delete(f)))
             elif f.op == KEYS:
@@ -433,7 +499,7 @@ class Server:
                 out.append(pack(STAT, plen=len(body)) + body)
             elif f.op == FLUSH:
                 if out:
-                    conn.sendall(b"".join(out))
+                    send_parts(conn, out)
                     out.clear()
                 ok = h.flush(f.expire_at or 60.0)
                 out.append(pack(FLUSH, status=OK if ok else ERROR))
@@ -445,6 +511,83 @@ class Server:
             status = FULL if isinstance(e, MemoryError) else ERROR
             msg = f"{type(e).__name__}: {e}".encode()[:MAX_META]
             out.append(pack(f.op, meta=msg, status=status))
+
+
+    def _put(self, rd: Reader, f: Frame) -> int:
+        """Hand one put to the handler: a small payload as a view of the read buffer, a
+        large one as a ``fill(dst)`` that receives straight into the destination."""
+        if f.plen <= SMALL:
+            return self.handler.put(f, rd.take(f.plen), _nothing)
+        state = [False]
+
+        def fill(dst: Any) -> None:
+            if state[0]:
+                raise RuntimeError("put payload read twice")
+            state[0] = True
+            rd.readinto(memoryview(dst).cast("B")[:f.plen])
+
+        def skip() -> None:
+            if not state[0]:
+                state[0] = True
+                rd.skip(f.plen)
+        try:
+            return self.handler.put(f, fill, skip)
+        finally:
+            skip()
+
+    def _mput(self, rd: Reader, f: Frame, out: list[Any]) -> None:
+        """Apply a batch of puts; the reply's body is one status byte per item."""
+        if f.length > MAX_BATCH:
+            raise ProtocolError(f"an mput of {f.length} items (at most {MAX_BATCH})")
+        left = f.plen
+        statuses = bytearray()
+        for _ in range(f.length):
+            if left < _PUT_ITEM.size:
+                raise ProtocolError("an mput body shorter than its items")
+            klen, mlen, nbytes, hlc, writer, priority, expire_at = _PUT_ITEM.unpack(rd.take(_PUT_ITEM.size))
+            if klen > MAX_KEY or mlen > MAX_META or _PUT_ITEM.size + klen + mlen + nbytes > left:
+                raise ProtocolError("an mput item overruns its frame")
+            body = bytes(rd.take(klen + mlen))
+            try:
+                key = body[:klen].decode()
+            except UnicodeDecodeError:
+                raise ProtocolError("a frame's key is not UTF-8") from None
+            left -= _PUT_ITEM.size + klen + mlen + nbytes
+            item = Frame(PUT, f.flags, 0, key, body[klen:], nbytes, (hlc, writer), priority, expire_at, 0, 0)
+            try:
+                status = self._put(rd, item)
+            except (ConnectionError, ProtocolError):
+                raise
+            except MemoryError:
+                status = FULL
+            except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
+                log.info("mput item %r refused: %s", key[:80], e)
+                status = ERROR
+            statuses.append(status)
+        if left:
+            raise ProtocolError(f"an mput body with {left} bytes after its items")
+        out.append(pack(MPUT, plen=len(statuses)) + statuses)
+
+    def _mget(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
+        """Read a batch: the reply's body is an item header, meta and payload per key."""
+        body = bytearray(f.plen)
+        rd.readinto(body)
+        keys = decode_entries(body)
+        if len(keys) > MAX_BATCH:
+            raise ProtocolError(f"an mget of {len(keys)} keys (at most {MAX_BATCH})")
+        parts: list[Any] = []
+        total = 0
+        for got in self.handler.get_many([k for k, _ in keys]):
+            if got is None:
+                parts.append(_GOT_ITEM.pack(0, 0, 0, 0, 0))
+                total += _GOT_ITEM.size
+                continue
+            view = memoryview(got.buf).cast("B")
+            parts.append(_GOT_ITEM.pack(1, len(got.meta), view.nbytes, got.version[0], got.version[1]) + got.meta)
+            parts.append(view)
+            total += _GOT_ITEM.size + len(got.meta) + view.nbytes
+        out.append(pack(MGET, plen=total, length=len(keys)))
+        out.extend(parts)                       # views of the pinned values, sent by send_parts
 
 
 # ---- client ------------------------------------------------------------------------
@@ -501,7 +644,48 @@ class Conn:
         return Got(f.meta, buf, f.version, f.flags - 1)
 
 
+    def recv_mget(self, n: int) -> list[Got | None]:
+        f = self.reply(MGET)
+        if f.length != n:
+            raise ProtocolError(f"asked for {n} keys, got {f.length}")
+        out: list[Got | None] = []
+        if f.plen <= SMALL_REPLY:             # one read, values are slices of it
+            body = bytearray(f.plen)
+            self.rd.readinto(body)
+            view = memoryview(body)
+            pos = 0
+            for _ in range(n):
+                found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack_from(body, pos)
+                pos += _GOT_ITEM.size
+                if not found:
+                    out.append(None)
+                    continue
+                if mlen > MAX_META or pos + mlen + nbytes > f.plen:
+                    raise ProtocolError("a bad item in an mget reply")
+                out.append(Got(bytes(view[pos:pos + mlen]), view[pos + mlen:pos + mlen + nbytes], (hlc, writer)))
+                pos += mlen + nbytes
+            return out
+        for _ in range(n):
+            found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack(self.rd.take(_GOT_ITEM.size))
+            if not found:
+                out.append(None)
+                continue
+            if mlen > MAX_META or nbytes > f.plen:
+                raise ProtocolError("a bad item in an mget reply")
+            meta = bytes(self.rd.take(mlen))
+            buf = alloc(nbytes)
+            if nbytes:
+                self.rd.readinto(memoryview(buf).cast("B")[:nbytes])
+            out.append(Got(meta, buf, (hlc, writer)))
+        return out
+
+    def send_mget(self, keys: Sequence[str]) -> None:
+        body = encode_entries((k, (0, 0)) for k in keys)
+        self.sock.sendall(pack(MGET, plen=len(body)) + body)
+
+
 SMALL = 1 << 16        # payloads up to this size travel in the same send as their header
+SMALL_REPLY = 1 << 20  # an mget reply up to this size is read in one piece
 
 
 class Peer:
@@ -577,29 +761,29 @@ class Peer:
                 f"{timeout if timeout is not None else self.timeout:g} s")
         return ClusterUnavailableError(f"member {self.name} at {self.address}: {e}")
 
-    @contextmanager
-    def conn(self, timeout: float | None = None) -> Iterator[Conn]:
-        """Borrow a connection; one that fails mid-request is closed, not pooled."""
-        c = self.borrow(timeout)
-        try:
-            yield c
-        except BaseException:
-            c.sock.close()
-            raise
-        self.give_back(c)
-
     def _call(self, fn: Callable[[Conn], Any], timeout: float | None = None) -> Any:
         for attempt in (0, 1):
+            c = None
             try:
-                with self.conn(timeout) as c:
-                    return fn(c)
+                c = self.borrow(timeout)
+                out = fn(c)
+                self.give_back(c)
+                return out
             except (AuthenticationError, RemoteError):
+                if c is not None:
+                    c.sock.close()
                 raise
             except (ConnectionError, OSError) as e:
+                if c is not None:
+                    c.sock.close()
                 # a pooled connection may have been closed by a restarted peer: retry once on a
                 # fresh one (a put is idempotent: the same version is STALE the second time)
                 if attempt or isinstance(e, (ClusterUnavailableError, TimeoutError)):
                     raise self.error(e, timeout) from e
+            except BaseException:
+                if c is not None:
+                    c.sock.close()
+                raise
         raise AssertionError("unreachable")
 
     # -- single requests
@@ -662,32 +846,75 @@ class Peer:
              flags: int = 0, timeout: float | None = None) -> list[int]:
         """Put ``(key, meta, payload, nbytes, version, priority, expire_at)`` items in one pipeline."""
         def go(c: Conn) -> list[int]:
-            send_puts(c, items, flags)
-            return [c.reply(PUT).status for _ in items]
+            return recv_puts(c, send_puts(c, items, flags))
         return self._call(go, timeout)
 
     def mget(self, keys: Sequence[str], timeout: float | None = None) -> list[Got | None]:
         def go(c: Conn) -> list[Got | None]:
-            c.sock.sendall(b"".join(pack(GET, k.encode(), length=ALL) for k in keys))
-            return [c.recv_get() for _ in keys]
+            out: list[Got | None] = []
+            for i in range(0, len(keys), MAX_BATCH):
+                c.send_mget(keys[i:i + MAX_BATCH])
+                out += c.recv_mget(len(keys[i:i + MAX_BATCH]))
+            return out
         return self._call(go, timeout)
 
 
 def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]],
-              flags: int = 0) -> None:
-    """Write a pipeline of PUT frames (small payloads batched into few sends)."""
+              flags: int = 0) -> list[int]:
+    """Write puts as few frames: runs of small items go as MPUT frames, each large one
+    as its own PUT (sent from its buffer). Returns the items per frame (0: a PUT)."""
+    frames: list[int] = []
     out = bytearray()
+    run = bytearray()
+    n = 0
+
+    def close_run() -> None:
+        nonlocal run, n
+        if n:
+            out.extend(pack(MPUT, plen=len(run), flags=flags, length=n))
+            out.extend(run)
+            frames.append(n)
+            run, n = bytearray(), 0
     for key, meta, payload, nbytes, version, priority, expire_at in items:
-        out += pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
-                    expire_at=expire_at)
         if nbytes > SMALL:
+            close_run()
+            out.extend(pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                            expire_at=expire_at))
             c.sock.sendall(out)
             c.sock.sendall(memoryview(payload).cast("B"))
             out = bytearray()
-        elif nbytes:
-            out += memoryview(payload).cast("B")
-        if len(out) > (1 << 20):
+            frames.append(0)
+            continue
+        kb = key.encode()
+        run += _PUT_ITEM.pack(len(kb), len(meta), nbytes, version[0], version[1], priority, expire_at)
+        run += kb
+        run += meta
+        if nbytes:
+            run += memoryview(payload).cast("B")
+        n += 1
+        if n >= MAX_BATCH or len(run) > (1 << 20):
+            close_run()
             c.sock.sendall(out)
             out = bytearray()
+    close_run()
     if out:
         c.sock.sendall(out)
+    return frames
+
+
+def recv_puts(c: Conn, frames: list[int]) -> list[int]:
+    """The statuses of the puts :func:`send_puts` sent, in order."""
+    statuses: list[int] = []
+    for n in frames:
+        if n == 0:
+            statuses.append(c.reply(PUT).status)
+        else:
+            f = c.reply(MPUT)
+            if f.plen != n:
+                raise ProtocolError(f"an mput of {n} items answered with {f.plen} statuses")
+            statuses += c.body(n)
+    bad = [x for x in statuses if x in (ERROR, FULL)]
+    if bad:
+        raise RemoteError(f"the member refused {len(bad)} of {len(statuses)} puts"
+                          + (" (it is full)" if FULL in bad else ""), FULL if FULL in bad else ERROR)
+    return statuses
