@@ -242,6 +242,7 @@ def test_a_replica_keeps_the_higher_version(harness):
         # an older write arriving late (a slow replica stream) loses; its bytes are drained
         assert peer.put("v", b"B", b"old", 3, (hlc - 1, writer)) == tp.STALE
         assert peer.put("v", b"B", b"tie", 3, (hlc, writer - 1)) == tp.STALE
+        assert peer.put("v", b"B", b"new", 3, (hlc, writer)) == tp.SAME
         assert bytes(c["v"]) == b"new"
         # an older delete does not remove a newer value; a newer one does, and is remembered
         assert peer.delete("v", (hlc - 1, writer)) is False

@@ -293,3 +293,40 @@ def test_attach_after_owner_close_is_not_found(make_store, store_name):
     keep["still"] = b"works"
     assert bytes(keep["still"]) == b"works"
     keep.close()
+
+
+_RACER = textwrap.dedent("""
+    import sys, time
+    from yrcache import TieredStore, StoreNotFoundError
+    name, start = sys.argv[1], float(sys.argv[2])
+    while time.time() < start:
+        pass
+    try:
+        s = TieredStore(name=name, dram="32MiB")
+    except FileExistsError:
+        print("exists", flush=True)
+    except StoreNotFoundError:
+        print("being-created", flush=True)
+    else:
+        print("owner", flush=True)
+        sys.stdin.readline()
+        s.close()
+""")
+
+
+def test_concurrent_creators_of_one_name_make_exactly_one_owner(store_name):
+    import time
+
+    for round_ in range(4):
+        name = f"{store_name}-{round_}"
+        start = time.time() + 1.0
+        procs = [subprocess.Popen([sys.executable, "-c", _RACER, name, str(start)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True) for _ in range(6)]
+        try:
+            outcomes = sorted(p.stdout.readline().strip() for p in procs)
+            # never two owners of one arena: the losers see it exists (or is still being created)
+            assert outcomes.count("owner") == 1, outcomes
+        finally:
+            for p in procs:
+                p.communicate("\n", timeout=30)
+            dram.destroy(name)

@@ -1,7 +1,8 @@
-"""Cluster mode for yrcache, being built piece by piece.
+"""Cluster mode: many machines' stores behind one key space (docs/cluster.md).
 
-``ring.py`` is the pure consistent-hash ring (which members own a key); the
-membership, transport and replication pieces are in progress.  Until they are
-wired in, ``TieredStore(cluster=...)`` (or ``YRCACHE_ETCD`` in the environment)
-still raises ``NotImplementedError``.
+``store.py`` is what ``TieredStore(cluster=...)`` returns; ``replication.py``
+routes, versions and fans out writes; ``member.py`` is a member's side (its
+versions, forwarding, rebalancing); ``transport.py`` and ``wire.py`` are the
+framed TCP data plane; ``membership.py`` (the only etcd user) and ``ring.py``
+(consistent hashing) decide who owns what; ``node.py`` is ``yrcache node``.
 """

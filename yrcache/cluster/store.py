@@ -33,7 +33,8 @@ from ..types import Value
 from ..validate import expire_at as _expire_at, key_bytes, priority as _priority
 from . import transport as tp
 from .membership import Membership, check_name
-from .replication import Node, Router, decode
+from .member import Node
+from .replication import Router, decode
 
 log = logging.getLogger("yrcache.cluster")
 _LIVE: dict[int, weakref.ref[ClusterStore]] = {}      # stores to close at exit (a mapping is unhashable)

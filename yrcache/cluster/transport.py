@@ -22,307 +22,23 @@ every reply is read, so a batch of 100 costs about one round trip.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
-import ipaddress
 import logging
-import mmap
 import os
 import socket
-import struct
 import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
-import cffi
-
-from ..errors import AuthenticationError, ClusterUnavailableError, YrcacheError
+from ..errors import AuthenticationError, ClusterUnavailableError
+from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
+    _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
+    MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
+    PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
+    RemoteError, alloc, decode_entries, encode_entries, is_loopback, pack, proof, read_frame, recv_exact,
+    send_parts, split_address)
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"YR"
-PROTO = 1
-# magic, proto, op, flags, status, klen, mlen, plen, hlc, writer, priority, expire_at, offset, length
-HDR = struct.Struct("<2sBBHHIIQQQqdQQ")
-assert HDR.size == 72
-MAX_KEY = 1024                  # validate.MAX_KEY_BYTES
-MAX_META = 4096                 # codec.MAX_META
-MAX_PAYLOAD = 1 << 40           # a frame larger than this is garbage, not an object
-MAX_LIST = 64 << 20             # a KEYS/HAVE body
-NONCE = 32
-ALL = (1 << 64) - 1             # length of a read that wants the whole object
-
-# ops
-PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET = range(1, 11)
-OP_NAMES = {PUT: "put", GET: "get", DELETE: "delete", KEYS: "keys", HAVE: "have", STAT: "stat",
-            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget"}
-MAX_BATCH = 4096                # items in one MPUT/MGET frame
-# flags
-F_REPLICATE = 1                 # put: the receiver forwards the object to the key's other owners
-F_SINGLE = 2                    # put: WriteMode.NONE, the object keeps one copy (its first owner)
-TIER_SHIFT = 8                  # put: flags >> 8 is the tier hint + 1 (0: none)
-# statuses
-OK, NOT_FOUND, STALE, FULL, ERROR = range(5)
-
-_ENTRY = struct.Struct("<HQQ")  # a KEYS/HAVE entry: klen, hlc, writer (then the key)
-# an MPUT item: klen, mlen, nbytes, hlc, writer, priority, expire_at (then key, meta, payload)
-_PUT_ITEM = struct.Struct("<HHQQQqd")
-# an MGET reply item: found, mlen, nbytes, hlc, writer (then meta, payload); the request body is keys
-_GOT_ITEM = struct.Struct("<BxHQQQ")
-
-
-class ProtocolError(YrcacheError, ConnectionError):
-    """A peer sent something that is not a valid yrcache frame."""
-
-
-class RemoteError(YrcacheError, RuntimeError):
-    """A peer answered a request with an error (its message says which)."""
-
-    def __init__(self, msg: str, status: int = ERROR):
-        super().__init__(msg)
-        self.status = status
-
-
-class Frame(NamedTuple):
-    """A decoded request or reply header plus its key and codec header."""
-    op: int
-    flags: int
-    status: int
-    key: str
-    meta: bytes
-    plen: int
-    version: tuple[int, int]
-    priority: int
-    expire_at: float
-    offset: int
-    length: int
-
-
-class Got(NamedTuple):
-    """An object (or a range of it) read from a member."""
-    meta: bytes
-    buf: Any
-    version: tuple[int, int]
-    tier: int = -1            # the holder's Tier, for reads of length 0 (probes); -1: not asked
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``"host:port"`` (IPv6 as ``[::1]:port``) -> ``(host, port)``; raise ``ValueError`` otherwise."""
-    if not isinstance(address, str):
-        raise TypeError(f"an address is a str 'host:port', not {type(address).__name__}")
-    host, sep, port = address.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError(f"address {address!r} is not host:port (port 0..65535)")
-    return host, int(port)
-
-
-def proof(token: bytes, nonce: bytes) -> bytes:
-    return hmac.new(token, b"yrcache-v1" + nonce, hashlib.sha256).digest()
-
-
-def pack(op: int, key: bytes = b"", meta: bytes = b"", plen: int = 0, *, flags: int = 0, status: int = 0,
-         version: tuple[int, int] = (0, 0), priority: int = 0, expire_at: float = 0.0,
-         offset: int = 0, length: int = 0) -> bytes:
-    """One frame's header, key and meta (the payload, if any, is sent after them)."""
-    return HDR.pack(MAGIC, PROTO, op, flags, status, len(key), len(meta), plen, version[0], version[1],
-                    priority, expire_at, offset, length) + key + meta
-
-
-def recv_exact(sock: socket.socket, buf: Any) -> None:
-    """Fill the writable buffer ``buf`` from ``sock`` or raise ``ConnectionError``."""
-    view = memoryview(buf).cast("B")
-    got, n = 0, view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
-
-
-class Reader:
-    """Buffered reads from one socket: a batch of pipelined frames costs one ``recv``.
-
-    Headers, keys and metas are parsed out of a 64 KiB buffer; a payload is copied
-    from what is already buffered and the rest received straight into its
-    destination (an arena block) with ``recv_into``.
-    """
-
-    SIZE = 1 << 16
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.buf = bytearray(self.SIZE)
-        self.view = memoryview(self.buf)
-        self.start = self.end = 0
-
-    @property
-    def buffered(self) -> int:
-        return self.end - self.start
-
-    def _want(self, n: int) -> None:
-        if self.end - self.start >= n:
-            return
-        if self.start:
-            k = self.end - self.start
-            self.view[:k] = self.view[self.start:self.end]
-            self.start, self.end = 0, k
-        while self.end < n:
-            got = self.sock.recv_into(self.view[self.end:])
-            if not got:
-                raise ConnectionError(f"peer closed the connection ({self.end} of {n} bytes of a frame)")
-            self.end += got
-
-    def take(self, n: int) -> memoryview:
-        """The next ``n`` (<= 64 KiB) bytes, valid until the next call."""
-        self._want(n)
-        out = self.view[self.start:self.start + n]
-        self.start += n
-        return out
-
-    def readinto(self, dst: Any) -> None:
-        out = memoryview(dst).cast("B")
-        n = out.nbytes
-        have = min(n, self.end - self.start)
-        if have:
-            out[:have] = self.view[self.start:self.start + have]
-            self.start += have
-        if have < n:
-            recv_exact(self.sock, out[have:])
-
-    def skip(self, n: int) -> None:
-        """Read and drop ``n`` bytes (the body of a put that lost to a newer version)."""
-        have = min(n, self.end - self.start)
-        self.start += have
-        n -= have
-        while n:
-            k = min(n, self.SIZE)
-            recv_exact(self.sock, self.view[:k])
-            n -= k
-        if self.start == self.end:
-            self.start = self.end = 0
-
-
-def send_parts(sock: socket.socket, parts: list[Any]) -> None:
-    """Send buffers in order with as few syscalls as it takes (``sendmsg``, no joining copy)."""
-    views = [memoryview(p).cast("B") for p in parts]
-    while views:
-        n = sock.sendmsg(views[:512])
-        while n:
-            k = views[0].nbytes
-            if n >= k:
-                n -= k
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
-        while views and not views[0].nbytes:
-            views.pop(0)
-
-
-def read_frame(rd: Reader) -> Frame:
-    """Read and check one header, its key and meta; the payload is left to read."""
-    (magic, proto, op, flags, status, klen, mlen, plen, hlc, writer, priority, expire_at,
-     offset, length) = HDR.unpack(rd.take(HDR.size))
-    if magic != MAGIC or proto != PROTO:
-        raise ProtocolError(f"not a yrcache frame (magic {bytes(magic)!r}, protocol {proto})")
-    if op not in OP_NAMES or klen > MAX_KEY or mlen > MAX_META or plen > MAX_PAYLOAD:
-        raise ProtocolError(f"bad frame: op {op}, key {klen} B, meta {mlen} B, payload {plen} B")
-    if klen or mlen:
-        body = bytes(rd.take(klen + mlen))
-        try:
-            key = body[:klen].decode()
-        except UnicodeDecodeError:
-            raise ProtocolError("a frame's key is not UTF-8") from None
-        meta = body[klen:]
-    else:
-        key, meta = "", b""
-    return Frame(op, flags, status, key, meta, plen, (hlc, writer), priority, expire_at, offset, length)
-
-
-class RecvPool:
-    """Receive buffers for large objects, reused once their values are dropped.
-
-    Faulting in fresh anonymous memory runs at about 1.5 GiB/s here, slower than
-    loopback TCP itself, so a fetch loop (a rollout worker taking every weight
-    version) would spend most of its time in page faults. A buffer handed out
-    here is a cffi buffer over a pooled ``mmap``; when the last view of the value
-    goes, its destructor puts the mapping back (up to ``limit`` bytes pooled).
-    """
-
-    STEP = 1 << 20
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.pooled = 0
-        self._free: dict[int, list[mmap.mmap]] = {}
-        self._lock = threading.Lock()
-        self._ffi = cffi.FFI()
-
-    def take(self, n: int) -> Any:
-        size = -(-n // self.STEP) * self.STEP
-        with self._lock:
-            free = self._free.get(size)
-            m = free.pop() if free else None
-            if m is not None:
-                self.pooled -= size
-        if m is None:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(-1, size, flags=flags)
-        ffi = self._ffi
-        export = ffi.from_buffer(m)
-        ptr = ffi.gc(ffi.cast("char *", export), lambda _p, m=m, export=export: self._give(m, size))
-        return ffi.buffer(ptr, n)          # keeps ptr (and so the mapping) alive while referenced
-
-    def _give(self, m: mmap.mmap, size: int) -> None:
-        with self._lock:
-            if self.pooled + size <= self.limit:
-                self._free.setdefault(size, []).append(m)
-                self.pooled += size
-
-
-POOL = RecvPool(int(os.environ.get("YRCACHE_RECV_POOL") or 512 << 20))
-
-
-def alloc(n: int) -> Any:
-    """A writable buffer of ``n`` bytes to receive an object into (pooled from 1 MiB)."""
-    return bytearray(n) if n < RecvPool.STEP else POOL.take(n)
-
-
-def encode_entries(entries: Iterable[tuple[str, tuple[int, int]]]) -> bytes:
-    """``[(key, (hlc, writer))]`` -> the body of a KEYS reply or a HAVE request."""
-    out = bytearray()
-    for key, (hlc, writer) in entries:
-        kb = key.encode()
-        out += _ENTRY.pack(len(kb), hlc, writer)
-        out += kb
-    return bytes(out)
-
-
-def decode_entries(body: bytes | bytearray | memoryview) -> list[tuple[str, tuple[int, int]]]:
-    out = []
-    pos, n = 0, len(body)
-    while pos < n:
-        if pos + _ENTRY.size > n:
-            raise ProtocolError("truncated entry list")
-        klen, hlc, writer = _ENTRY.unpack_from(body, pos)
-        pos += _ENTRY.size
-        if klen > MAX_KEY or pos + klen > n:
-            raise ProtocolError("bad entry in an entry list")
-        out.append((bytes(body[pos:pos + klen]).decode(), (hlc, writer)))
-        pos += klen
-    return out
 
 
 # ---- server ------------------------------------------------------------------------
@@ -684,8 +400,6 @@ class Conn:
         self.sock.sendall(pack(MGET, plen=len(body)) + body)
 
 
-SMALL = 1 << 16        # payloads up to this size travel in the same send as their header
-SMALL_REPLY = 1 << 20  # an mget reply up to this size is read in one piece
 
 
 class Peer:
@@ -777,7 +491,7 @@ class Peer:
                 if c is not None:
                     c.sock.close()
                 # a pooled connection may have been closed by a restarted peer: retry once on a
-                # fresh one (a put is idempotent: the same version is STALE the second time)
+                # fresh one (a put is idempotent: the same version is SAME the second time)
                 if attempt or isinstance(e, (ClusterUnavailableError, TimeoutError)):
                     raise self.error(e, timeout) from e
             except BaseException:
@@ -789,7 +503,7 @@ class Peer:
     # -- single requests
     def put(self, key: str, meta: bytes, payload: Any, nbytes: int, version: tuple[int, int], *,
             priority: int = 0, expire_at: float = 0.0, flags: int = 0, timeout: float | None = None) -> int:
-        """Send one object; return ``OK`` or ``STALE`` (the member holds a newer version)."""
+        """Send one object; return ``OK``, ``SAME`` (it had this version) or ``STALE`` (a newer one)."""
         def go(c: Conn) -> int:
             c.send_put(key, meta, payload, nbytes, version, priority, expire_at, flags)
             return c.reply(PUT).status

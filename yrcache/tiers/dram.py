@@ -21,8 +21,8 @@ import numpy as np
 from .._arena import ffi, lib
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
-from .segment import (SHM_DIR, check_name, check_trusted, destroy, list_stores, no_room,  # noqa: F401
-                      open_segment, proc_starttime, seg_path, shm_name, unlink_if)
+from .segment import (SHM_DIR, check_name, check_trusted, creation_done, destroy, list_stores,  # noqa: F401
+                      no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
 # The C core's constants (one definition, in _csrc/arena.h).
 TIER_HBM, TIER_DRAM, TIER_SSD = lib.YR_TIER_HBM, lib.YR_TIER_DRAM, lib.YR_TIER_SSD
@@ -219,6 +219,7 @@ class Arena:
                 )
             self.is_owner = self.created
             self.register()
+            creation_done(fd)
         except BaseException:
             self._unmap()
             if self.created:

@@ -5,6 +5,7 @@ No C here: ``dram.py`` maps what this opens.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 
@@ -115,7 +116,18 @@ def open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
         fd = os.dup(shm.fd)   # close-on-exec; kept for the slot lock
     finally:
         shm.close_fd()
+    # The creator holds an exclusive flock until it is registered as the owner
+    # (creation_done); an opener waits for it, so a concurrent create of the same
+    # name never finds a ready arena whose owner looks absent and adopts it too.
+    fcntl.flock(fd, fcntl.LOCK_EX if created else fcntl.LOCK_SH)
+    if not created:
+        fcntl.flock(fd, fcntl.LOCK_UN)
     return fd, created
+
+
+def creation_done(fd: int) -> None:
+    """The creator is registered: let openers of the segment through."""
+    fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def no_room(name: str, size: int, why: str | None) -> StoreFullError:

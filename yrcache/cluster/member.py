@@ -1,0 +1,378 @@
+"""A member's side of cluster mode: the node's versions, forwarding and rebalancing.
+
+- :class:`Node`: the data-plane handler (a transport ``Handler``). It owns the
+  versions of the objects in its arena: in cluster mode only the member process
+  writes into the node's arena, so the versions live in its memory.
+- :class:`Forwarder`: the background sender. It ships objects to the key's
+  other owners (``ASYNC`` writes, hand-over after a membership change,
+  re-replication after a member dies) and drops its own copy of an object it no
+  longer owns once every owner holds it, or once an owner answers that it holds
+  something newer. Its queue is bounded; ``flush`` waits for it.
+- :class:`Rebalancer`: after each membership change (again a few seconds later,
+  and every ``YRCACHE_REPAIR_S``), compares every local object's owners with
+  what those owners hold (pipelined ``HAVE`` queries) and queues what is missing
+  or misplaced.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .. import codec
+from ..config import Tier
+from ..errors import ClusterUnavailableError, StoreClosedError
+from . import transport as tp
+from .replication import (BATCH, LINGER_S, QUEUE_MAX, REPAIR_S, SETTLE_S, TOMBSTONE_S, Version,
+                          check_wire_meta)
+
+if TYPE_CHECKING:
+    from ..store import TieredStore
+    from .replication import Router
+
+log = logging.getLogger("yrcache.cluster")
+
+
+class Node(tp.Handler):
+    """The data-plane handler of one member: applies versioned writes to the local arena."""
+
+    def __init__(self, local: TieredStore, member_id: str, router: Router):
+        self.local = local
+        self.member_id = member_id
+        self.router = router
+        self.versions: dict[str, Version] = {}
+        self.tombs: dict[str, tuple[Version, float]] = {}
+        self.single: set[str] = set()        # WriteMode.NONE objects: one copy, on their first owner
+        self._locks = [threading.Lock() for _ in range(64)]
+        self.forwarder = Forwarder(self)
+        self.rebalancer = Rebalancer(self)
+
+    def close(self) -> None:
+        self.rebalancer.close()
+        self.forwarder.close()
+
+    def lock(self, key: str) -> threading.Lock:
+        return self._locks[hash(key) & 63]
+
+    def owners(self, key: str) -> list[str]:
+        """Who should hold our copy of ``key``: one member for a ``NONE`` object."""
+        return self.router.owners(key, 1 if key in self.single else None)
+
+    def current(self, key: str) -> Version | None:
+        v = self.versions.get(key)
+        if v is None:
+            t = self.tombs.get(key)
+            return t[0] if t is not None else None
+        return v
+
+    def apply(self, key: str, meta: bytes, nbytes: int, fill: Any, version: Version,
+              priority: int, expire_at: float, skip: Callable[[], None] | None = None, flags: int = 0) -> int:
+        """Store ``key`` at ``version`` unless this member holds a newer one; ``fill``
+        is the payload (a buffer) or a callable that writes it (``put_with``);
+        ``flags``: the frame's (single copy, tier hint)."""
+        with self.lock(key):
+            cur = self.current(key)
+            if cur is not None and version <= cur:
+                if skip is not None:
+                    skip()
+                return tp.SAME if version == cur else tp.STALE
+            ttl = None if not expire_at else max(expire_at - time.time(), 1e-3)
+            t = (flags >> tp.TIER_SHIFT) & 7
+            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl,
+                                tier=Tier(t - 1) if t else None)
+            self.versions[key] = version
+            self.tombs.pop(key, None)
+            if flags & tp.F_SINGLE:
+                self.single.add(key)
+            else:
+                self.single.discard(key)
+        self.router.clock.observe(version[0])
+        return tp.OK
+
+    def remove(self, key: str, version: Version) -> int:
+        with self.lock(key):
+            cur = self.current(key)
+            if cur is not None and version < cur:
+                return tp.STALE
+            existed = self.local.delete(key)
+            self.versions.pop(key, None)
+            self.single.discard(key)
+            self.tombs[key] = (version, time.monotonic())
+        if len(self.tombs) > 10_000:
+            old = time.monotonic() - TOMBSTONE_S
+            for k, (_, t) in list(self.tombs.items()):
+                if t < old:
+                    self.tombs.pop(k, None)
+        return tp.OK if existed else tp.NOT_FOUND
+
+    def drop_if(self, key: str, version: Version) -> None:
+        """Remove our copy of ``key`` if it is still ``version`` (it was handed over)."""
+        with self.lock(key):
+            if self.versions.get(key) == version:
+                self.local.delete(key)
+                self.versions.pop(key, None)
+                self.single.discard(key)
+
+    def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tp.Got | None:
+        value = self.local.get(key)
+        if value is None:
+            return None
+        meta, payload, nbytes = codec.encode(value)
+        view = memoryview(payload).cast("B") if nbytes else memoryview(b"")
+        if offset or length < nbytes:
+            view = view[offset:offset + length]
+        tier = int(self.local.tier_of(key)) if length == 0 else -1
+        return tp.Got(meta, view, self.versions.get(key, (0, 0)), tier)
+
+    # -- transport.Handler
+    def put(self, f: tp.Frame, fill: Any, skip: Callable[[], None]) -> int:
+        check_wire_meta(f.meta, f.plen)
+        status = self.apply(f.key, f.meta, f.plen, fill, f.version, f.priority, f.expire_at, skip, f.flags)
+        if status == tp.OK and f.flags & tp.F_REPLICATE:
+            self.forwarder.add(f.key, f.version)
+        return status
+
+    def get(self, f: tp.Frame):
+        return self.read(f.key, f.offset, f.length)
+
+    def get_many(self, keys: list[str]) -> list[tp.Got | None]:
+        out: list[tp.Got | None] = []
+        versions = self.versions
+        for k, value in zip(keys, self.local.mget(keys)):
+            if value is None:
+                out.append(None)
+                continue
+            meta, payload, nbytes = codec.encode(value)
+            out.append(tp.Got(meta, memoryview(payload).cast("B") if nbytes else memoryview(b""),
+                              versions.get(k, (0, 0))))
+        return out
+
+    def delete(self, f: tp.Frame) -> int:
+        return self.remove(f.key, f.version)
+
+    def keys(self, prefix: str) -> list[tuple[str, Version]]:
+        return [(k, self.versions.get(k, (0, 0))) for k in self.local.keys(prefix)]
+
+    def have(self, entries: list[tuple[str, Version]]) -> bytes:
+        out = bytearray(len(entries))
+        for i, (k, v) in enumerate(entries):
+            cur = self.versions.get(k)
+            out[i] = cur is not None and cur >= v and k in self.local
+        return bytes(out)
+
+    def stat(self) -> bytes:
+        st = self.local.stats()
+        return json.dumps({"member": self.member_id, "objects": len(self.versions),
+                           "bytes": sum(t.get("used", 0) for t in st["tiers"].values()), "store": st,
+                           "pending": self.forwarder.pending(),
+                           "under_replicated": self.rebalancer.under_replicated}).encode()
+
+    def flush(self, timeout: float) -> bool:
+        return self.forwarder.wait(timeout)
+
+
+class Forwarder:
+    """Ships local objects to the owners that lack them, one thread, bounded queue."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._q: collections.OrderedDict[str, tuple[Version, tuple[str, ...] | None]] = collections.OrderedDict()
+        self._cv = threading.Condition()
+        self._busy = 0
+        self._stop = False
+        self.sent = 0
+        self.sent_bytes = 0
+        self._thread = threading.Thread(target=self._loop, name="yrcache-forward", daemon=True)
+        self._thread.start()
+
+    def add(self, key: str, version: Version, targets: tuple[str, ...] | None = None, block: bool = True) -> None:
+        """Queue ``key``: send ``version`` to ``targets`` (default: its other owners)."""
+        with self._cv:
+            while block and len(self._q) >= QUEUE_MAX and not self._stop:
+                self._cv.wait(0.1)
+            self._q[key] = (version, targets)
+            self._q.move_to_end(key)
+            self._cv.notify_all()
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._q) + self._busy
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        with self._cv:
+            while self._q or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+        return True
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._q and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                if len(self._q) < BATCH:
+                    self._cv.wait(LINGER_S)       # let a burst of writes gather into one batch
+                batch = [self._q.popitem(last=False) for _ in range(min(BATCH, len(self._q)))]
+                self._busy += len(batch)
+                self._cv.notify_all()
+            retry: list[tuple[str, Version]] = []
+            try:
+                retry = self._send(batch)
+            except StoreClosedError:
+                return
+            except Exception as e:      # noqa: BLE001 - logged, retried
+                log.warning("forwarding %d objects failed: %s", len(batch), e)
+                retry = [(k, v) for k, (v, _) in batch]
+            with self._cv:
+                self._busy -= len(batch)
+                for k, v in retry:
+                    if not self._stop and k not in self._q:
+                        self._q[k] = (v, None)
+                self._cv.notify_all()
+            if retry:
+                time.sleep(0.05)
+
+    def _send(self, batch: list[tuple[str, tuple[Version, tuple[str, ...] | None]]]) -> list[tuple[str, Version]]:
+        """Ship a batch, pipelined per target member; return what must be tried again."""
+        node, router = self.node, self.node.router
+        per_target: dict[str, list] = collections.defaultdict(list)
+        held = []
+        for key, (version, targets) in batch:
+            if node.versions.get(key) != version:
+                continue                    # replaced or deleted since: that write forwards itself
+            got = node.read(key)
+            if got is None:
+                continue
+            if targets is None:
+                targets = tuple(o for o in node.owners(key) if o != node.member_id)
+            info = node.local.info(key) or {}
+            item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
+                    float(info.get("expire_at") or 0.0))
+            held.append((key, version, targets))
+            for m in targets:
+                per_target[m].append(item)
+        failed: set[str] = set()
+        stale: set[str] = set()
+        for m, items in per_target.items():
+            peer = router.peer(m)
+            try:
+                if peer is None:
+                    raise ClusterUnavailableError(f"member {m} left")
+                for it, status in zip(items, peer.mput(items)):
+                    if status == tp.STALE:      # it holds something newer (or a delete): ours is outdated
+                        stale.add(it[0])
+                self.sent += len(items)
+                self.sent_bytes += sum(it[3] for it in items)
+            except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
+                log.info("forwarding %d objects to %s: %s (will retry)", len(items), m, e)
+                failed.update(it[0] for it in items)
+        del per_target
+        retry = []
+        for key, version, _ in held:
+            if key in failed:
+                retry.append((key, version))
+            elif key in stale or node.member_id not in node.owners(key):
+                node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
+        return retry
+
+
+class Rebalancer:
+    """Finds local objects whose owners lack them (after joins, leaves and deaths)."""
+
+    def __init__(self, node: Node):
+        self.node = node
+        self._due: float | None = time.monotonic()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.passes = 0
+        self.under_replicated = 0
+        self._thread = threading.Thread(target=self._loop, name="yrcache-rebalance", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        with self._cv:
+            self._due = time.monotonic()
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and (self._due is None or self._due > time.monotonic()):
+                    self._cv.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
+                if self._stop:
+                    return
+                self._due = None
+            try:
+                again = self.run_pass()
+            except StoreClosedError:
+                return
+            except Exception as e:      # noqa: BLE001 - logged, tried again
+                log.warning("rebalancing pass failed: %s", e)
+                again = True
+            with self._cv:
+                if self._due is None:       # also a periodic pass: repairs what a failed write missed
+                    self._due = time.monotonic() + (SETTLE_S if again else REPAIR_S)
+
+    def run_pass(self) -> bool:
+        """One pass over the local objects; True if something still needs doing."""
+        node, router = self.node, self.node.router
+        me = node.member_id
+        want: dict[str, list[tuple[str, Version]]] = collections.defaultdict(list)
+        mine = [(k, v) for k, v in list(node.versions.items())]
+        for k, v in mine:
+            for o in node.owners(k):
+                if o != me:
+                    want[o].append((k, v))
+        missing: dict[str, list[str]] = collections.defaultdict(list)
+        incomplete = False
+        for m, entries in want.items():
+            peer = router.peer(m)
+            if peer is None:
+                incomplete = True
+                continue
+            for i in range(0, len(entries), 2000):
+                chunk = entries[i:i + 2000]
+                try:
+                    bits = peer.have(chunk)
+                except (ClusterUnavailableError, tp.RemoteError, OSError):
+                    incomplete = True
+                    break
+                for (k, _), b in zip(chunk, bits):
+                    if not b:
+                        missing[k].append(m)
+        moved = 0
+        for k, v in mine:
+            owners = node.owners(k)
+            targets = tuple(missing.get(k, ()))
+            if targets:
+                node.forwarder.add(k, v, targets)
+                moved += 1
+            elif me not in owners and not incomplete:
+                node.drop_if(k, v)           # every owner has it: our copy is surplus
+        self.under_replicated = moved
+        self.passes += 1
+        if moved:
+            log.info("rebalancing: %d of %d objects queued for their owners", moved, len(mine))
+        return incomplete or bool(moved)
