@@ -365,6 +365,32 @@ def test_a_client_left_open_does_not_hang_the_interpreter_at_exit(harness):
     assert left == [prefix + harness.nodes[0].member_id.encode()], left
 
 
+def test_yrcache_stat_on_a_member_shows_the_cluster(harness):
+    import json
+
+    nodes = harness.start(2)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 2)
+        c.mset({f"s{i}": value(i) for i in range(30)})
+    r = subprocess.run([sys.executable, "-m", "yrcache", "stat", nodes[0].name, "--json"], env=harness.env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    st = json.loads(r.stdout)
+    members = {m["member"]: m["objects"] for m in st["cluster"]["members"]}
+    assert members == {nodes[0].member_id: 30, nodes[1].member_id: 30}
+    assert st["cluster"]["under_replicated"] == 0
+    r = subprocess.run([sys.executable, "-m", "yrcache", "stat", nodes[1].name], env=harness.env,
+                       capture_output=True, text=True, timeout=60)
+    assert f"cluster {harness.cluster}: 2 member(s)" in r.stdout and nodes[0].member_id in r.stdout
+
+
+def test_a_member_refuses_cache_policy(harness, etcd):
+    with pytest.raises(ValueError, match="policy='spill'"):
+        TieredStore(f"{harness.cluster}-cache", cluster=f"etcd://{etcd.endpoint}/{harness.cluster}",
+                    policy="cache", dram="16MiB")
+    assert not os.path.exists(f"/dev/shm/yrcache.{harness.cluster}-cache")
+
+
 # ---- the data port under attack --------------------------------------------------------
 def test_wrong_token_and_garbage_frames(etcd, tmp_path):
     h = ClusterHarness(etcd, tmp_path, YRCACHE_TOKEN="s3cret")

@@ -140,6 +140,9 @@ def cmd_stat(args: argparse.Namespace) -> int:
     """Print capacity, use and counters of a store (``--json``: the ``stats()`` dict)."""
     with _open(args.name) as s:
         st = s.stats()
+        config = dict(s._config)
+    if config.get("cluster_member"):           # a cluster member's store: show the cluster too
+        st["cluster"] = _cluster_stats(config)
     if args.json:
         _print_json(st)
         return 0
@@ -150,7 +153,27 @@ def cmd_stat(args: argparse.Namespace) -> int:
     for k in ("hits", "misses", "puts", "deletes", "spills", "promotions", "evictions", "recoveries"):
         print(f"{k:<12} {st[k]}")
     print(f"{'pinned':<12} {format_size(st['pinned_bytes'])}")
+    c = st.get("cluster")
+    if c:
+        print(f"cluster {c['cluster']}: {len(c['members'])} member(s), this store is {config['cluster_member']}, "
+              f"under-replicated {c['under_replicated']}")
+        print(f"{'member':<32} {'objects':>10} {'bytes':>12} {'pending':>8}")
+        for m in c["members"]:
+            if "error" in m:
+                print(f"{m['member']:<32} does not answer: {m['error']}")
+            else:
+                print(f"{m['member']:<32} {m['objects']:>10} {format_size(m['bytes']):>12} {m['pending']:>8}")
     return 0
+
+
+def _cluster_stats(config: dict) -> dict:
+    """The cluster view of a member's store, asked of the members as a pure client."""
+    from .store import TieredStore
+
+    url = f"etcd://{config['cluster_etcd']}/{config['cluster']}"
+    with TieredStore(cluster=url, member=False) as c:
+        st = c.stats()
+    return {k: st[k] for k in ("cluster", "members", "under_replicated", "replicas")}
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

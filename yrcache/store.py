@@ -66,7 +66,8 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
       /dev/shm is mounted ``huge=advise``); ``persist``: keep the store
       after its owner closes, until ``destroy()``.
     - ``cluster="etcd://host:port/name"`` (or ``YRCACHE_ETCD``): join a
-      cluster, with ``listen``, ``replicas`` and ``write_mode``; the store
+      cluster, with ``listen``, ``replicas``, ``write_mode``, ``member``,
+      ``token`` and ``lease_ttl``; the store
       returned is a ``ClusterStore`` (docs/cluster.md). ``cluster=False``
       ignores ``YRCACHE_ETCD``: a store of this node only.
 
@@ -96,15 +97,17 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                  watermarks: tuple[float, float] = (0.9, 0.8), promote_after: int = 2,
                  persist: bool | None = None, huge_pages: bool = False,
                  cluster: str | bool | None = None, listen: str | None = None, replicas: int | None = None,
-                 write_mode: WriteMode | str | None = None, _attach: bool = False) -> None:
+                 write_mode: WriteMode | str | None = None, member: bool | None = None,
+                 token: str | None = None, lease_ttl: float | None = None, _attach: bool = False) -> None:
         self._arena: Arena | None = None
         self._placement: Placement = None  # type: ignore[assignment]  # set by _configure (close() checks)
         self._disk: DiskTier | None = None
         self._closed = False
         if cluster not in (None, False):
             raise TypeError("cluster= takes 'etcd://host:port/name' (a cluster store) or False (this node only)")
-        if listen is not None or replicas is not None:
-            raise TypeError("listen= and replicas= apply to a cluster store only: pass cluster='etcd://host:port/name'")
+        if any(x is not None for x in (listen, replicas, member, token, lease_ttl)):
+            raise TypeError("listen=, replicas=, member=, token= and lease_ttl= apply to a cluster store only: "
+                            "pass cluster='etcd://host:port/name'")
         self._pickle = bool(pickle)
         self._write_mode = _write_mode(write_mode)
         if _attach:

@@ -28,8 +28,8 @@ from .. import codec
 from ..config import Tier
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
-from .replication import (BATCH, LINGER_S, QUEUE_MAX, REPAIR_S, SETTLE_S, TOMBSTONE_S, Version,
-                          check_wire_meta)
+from .replication import (BATCH, LINGER_S, QUEUE_MAX, REBALANCE_RATE, REPAIR_S, SETTLE_S, TOMBSTONE_S,
+                          Version, check_wire_meta)
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -187,6 +187,7 @@ class Forwarder:
         self._stop = False
         self.sent = 0
         self.sent_bytes = 0
+        self._burst = [0, 0, 0.0]          # objects, bytes and start of the current backlog (for the log)
         self._thread = threading.Thread(target=self._loop, name="yrcache-forward", daemon=True)
         self._thread.start()
 
@@ -245,14 +246,22 @@ class Forwarder:
                     if not self._stop and k not in self._q:
                         self._q[k] = (v, None)
                 self._cv.notify_all()
+                drained = not self._q and not self._busy
             if retry:
                 time.sleep(0.05)
+            elif drained and self._burst[0] >= 100:
+                n, nbytes, t0 = self._burst
+                log.info("forwarded %d objects (%.1f MiB) in %.1f s; nothing left to send", n, nbytes / 2**20,
+                         time.monotonic() - t0)
+            if drained:
+                self._burst = [0, 0, 0.0]
 
     def _send(self, batch: list[tuple[str, tuple[Version, tuple[str, ...] | None]]]) -> list[tuple[str, Version]]:
         """Ship a batch, pipelined per target member; return what must be tried again."""
         node, router = self.node, self.node.router
         per_target: dict[str, list] = collections.defaultdict(list)
         held = []
+        moves = any(targets is not None for _, (_, targets) in batch)
         for key, (version, targets) in batch:
             if node.versions.get(key) != version:
                 continue                    # replaced or deleted since: that write forwards itself
@@ -274,11 +283,19 @@ class Forwarder:
             try:
                 if peer is None:
                     raise ClusterUnavailableError(f"member {m} left")
+                t0 = time.monotonic()
                 for it, status in zip(items, peer.mput(items)):
                     if status == tp.STALE:      # it holds something newer (or a delete): ours is outdated
                         stale.add(it[0])
+                nbytes = sum(it[3] for it in items)
                 self.sent += len(items)
-                self.sent_bytes += sum(it[3] for it in items)
+                self.sent_bytes += nbytes
+                if not self._burst[0]:
+                    self._burst[2] = t0
+                self._burst[0] += len(items)
+                self._burst[1] += nbytes
+                if moves:                       # rebalancing yields to the application's traffic
+                    time.sleep(max(0.0, nbytes / REBALANCE_RATE - (time.monotonic() - t0)))
             except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
                 log.info("forwarding %d objects to %s: %s (will retry)", len(items), m, e)
                 failed.update(it[0] for it in items)

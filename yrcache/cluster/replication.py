@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .. import codec
 from ..config import Tier, WriteMode
 from ..errors import AuthenticationError, ClusterUnavailableError
+from ..sizes import parse_size
 from . import transport as tp
 from .membership import MemberInfo
 from .ring import Ring
@@ -42,6 +43,7 @@ QUEUE_MAX = 100_000           # objects waiting to be forwarded before an ASYNC 
 TOMBSTONE_S = 60.0            # how long a delete's version is remembered
 SETTLE_S = 3.0                # a membership change is checked again this much later
 REPAIR_S = float(os.environ.get("YRCACHE_REPAIR_S") or 30.0)   # and every member checks this often
+REBALANCE_RATE = parse_size(os.environ.get("YRCACHE_REBALANCE_RATE") or "1GiB")  # bytes/s of moves
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 
@@ -195,10 +197,17 @@ class Router:
 
     def put(self, key: str, meta: bytes, payload: Any, nbytes: int, priority: int, expire_at: float,
             mode: WriteMode, timeout: float | None, tier: Tier | None = None) -> None:
+        node = self.node
+        tflags = (int(tier) + 1) << tp.TIER_SHIFT if tier is not None else 0
+        if mode is WriteMode.ASYNC and node is not None and node.member_id in self.members:
+            # the common hybrid case, kept short: into our own arena, then queued
+            version = self.clock.next()
+            if node.apply(key, meta, nbytes, payload, version, priority, expire_at, flags=tflags) == tp.OK:
+                node.forwarder.add(key, version)
+            return
         self._need_members()
         owners, flags = self.targets(key, mode)
-        if tier is not None:
-            flags |= (int(tier) + 1) << tp.TIER_SHIFT
+        flags |= tflags
         item = (key, meta, payload, nbytes, self.clock.next(), priority, expire_at)
         failed = self.fan_out({m: [item] for m in owners}, flags, timeout)
         if failed:

@@ -132,6 +132,9 @@ class ClusterStore(TieredStore):
     # ---- set-up ------------------------------------------------------------------------
     def _open_local(self, pickle: bool, local: dict[str, Any]) -> None:
         """Create this machine's arena (we are its member) or attach to the one that exists."""
+        if local.get("policy", "spill") != "spill":
+            raise ValueError("a cluster member keeps every object it is given (policy='spill'): a cache "
+                             "that dropped objects would drop replicas the cluster counts on")
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -172,7 +175,7 @@ class ClusterStore(TieredStore):
                                       on_change=router.update).start()
         router.update(self._membership.members())
         cfg = dict(self._local._config)
-        cfg.update(cluster_member=member_id, cluster_address=address)
+        cfg.update(cluster_member=member_id, cluster_address=address, cluster=self.cluster, cluster_etcd=endpoints)
         self._local._a.write_config(cfg)
         self.member_id = member_id
         self.address = address
