@@ -409,6 +409,28 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept "
                                    "moving between tiers, or the process holding it in HBM does not answer")
 
+    def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
+        """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.
+
+        ``meta`` is the codec header; ``payload`` the stored bytes, read-only: a
+        private copy for a small object, else a view that pins them.  For passing
+        an object on as it is (cluster mode sends these over the wire).
+        """
+        a = self._a
+        got = a.read(key_bytes(key), small=self._hbm is None)
+        if got is None:
+            return None
+        info, small = got
+        if small is not None:
+            return small[:info.meta_len], memoryview(small)[info.meta_len:]
+        value = self._value(a, info, key)
+        if value is RETRY:
+            value = self.get(key, _MISSING)
+            if value is _MISSING:
+                return None
+        meta, payload, nbytes = codec.encode(value, True)
+        return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
+
     def _small_value(self, meta: bytes, body: memoryview, nbytes: int, key: str) -> Any:
         """The value of a small object copied out by a read: read-only, private."""
         kind = meta[:1]

@@ -119,12 +119,11 @@ class Node(tp.Handler):
                 self.single.discard(key)
 
     def read(self, key: str, offset: int = 0, length: int = tp.ALL) -> tp.Got | None:
-        value = self.local.get(key)
-        if value is None:
+        got = self.local.get_raw(key)
+        if got is None:
             return None
-        meta, payload, nbytes = codec.encode(value)
-        view = memoryview(payload).cast("B") if nbytes else memoryview(b"")
-        if offset or length < nbytes:
+        meta, view = got
+        if offset or length < view.nbytes:
             view = view[offset:offset + length]
         tier = int(self.local.tier_of(key)) if length == 0 else -1
         return tp.Got(meta, view, self.versions.get(key, (0, 0)), tier)
