@@ -175,19 +175,35 @@ class Node(tp.Handler):
         return self.forwarder.wait(timeout)
 
 
-class Forwarder:
+class _Worker:
+    """A daemon thread running ``_loop`` over a condition variable, stopped by ``close``."""
+
+    def __init__(self, name: str) -> None:
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+
+
+class Forwarder(_Worker):
     """Ships local objects to the owners that lack them, one thread, bounded queue."""
 
     def __init__(self, node: Node):
+        super().__init__("yrcache-forward")
         self.node = node
         self._q: collections.OrderedDict[str, tuple[Version, tuple[str, ...] | None]] = collections.OrderedDict()
-        self._cv = threading.Condition()
         self._busy = 0
-        self._stop = False
         self.sent = 0
         self.sent_bytes = 0
         self._burst = [0, 0, 0.0]          # objects, bytes and start of the current backlog (for the log)
-        self._thread = threading.Thread(target=self._loop, name="yrcache-forward", daemon=True)
         self._thread.start()
 
     def add(self, key: str, version: Version, targets: tuple[str, ...] | None = None, block: bool = True) -> None:
@@ -212,12 +228,6 @@ class Forwarder:
                     return False
                 self._cv.wait(min(left, 0.1))
         return True
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
 
     def _loop(self) -> None:
         while True:
@@ -308,29 +318,21 @@ class Forwarder:
         return retry
 
 
-class Rebalancer:
+class Rebalancer(_Worker):
     """Finds local objects whose owners lack them (after joins, leaves and deaths)."""
 
     def __init__(self, node: Node):
+        super().__init__("yrcache-rebalance")
         self.node = node
         self._due: float | None = time.monotonic()
-        self._cv = threading.Condition()
-        self._stop = False
         self.passes = 0
         self.under_replicated = 0
-        self._thread = threading.Thread(target=self._loop, name="yrcache-rebalance", daemon=True)
         self._thread.start()
 
     def poke(self) -> None:
         with self._cv:
             self._due = time.monotonic()
             self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
 
     def _loop(self) -> None:
         while True:
