@@ -1106,9 +1106,10 @@ raw:    one TCP connection on 127.0.0.1 to a spawned helper process; push = send
         + 1-byte ack (the helper recv_into's a preallocated, touched buffer); pull = request + recv_into a
         preallocated, touched buffer here. TCP_NODELAY on both sides. Median of {reps} samples after {warm} warm-ups.
 64 MiB: numpy uint8, the same key overwritten; samples interleaved with the raw baseline's. The put's
-        bytes travel twice (replicas=2, the client writes to both owners in turn); the target compares with
-        ONE raw transfer. The get allocates a fresh buffer per call (it returns a value), the raw pull
-        does not; the "fresh bytearray" row shows what that allocation costs the raw side.
+        bytes travel twice (replicas=2, sent to both owners at once from two threads); the target
+        compares with ONE raw transfer. The get returns a value in a buffer of its own: a pooled one
+        (YRCACHE_RECV_POOL) once the previous value was dropped, as in a fetch loop; the raw pull
+        reuses one buffer; the "fresh bytearray" row shows what a new buffer costs the raw side.
 async:  TieredStore(cluster=..., member=True) in this process, joined to the 3 nodes (4 members),
         put(write_mode="async") of a key it owns (same key overwritten); before every timed put, of
         either kind, the member's flush() runs outside the clock (it waits for the forwarder's send of
@@ -1116,7 +1117,8 @@ async:  TieredStore(cluster=..., member=True) in this process, joined to the 3 n
         process. {async_n} samples each, interleaved. Back-to-back rows: no flush between puts.
 1 KiB:  bytes values; {small_n} sequential ops per round, median of {rounds} rounds, interleaved with
         redis-py (one connection, redis-server {redis_version}). yrcache: pure client (member=False),
-        replicas=2 write-through unless stated (a put is then 2 sequential round trips, a Redis SET 1).
+        replicas=2 write-through unless stated (a put goes to both owners in one round trip, and both
+        members must do their work, on the same 2 CPUs; a Redis SET is one process).
 batch:  {batch} keys; median of {batch_reps} batches; redis: pipeline(transaction=False) of SETs, one MGET.
 fail-over: 4 nodes, replicas=2, write-through; {fo_n} objects loaded with mset; SIGKILL one node at t=0;
         every ~0.1 s each survivor's KEYS list is read over its data port (Peer.keys), until every key
