@@ -82,8 +82,10 @@ def check_wire_meta(meta: bytes, nbytes: int) -> None:
 
 
 def decode(meta: bytes, buf: Any, nbytes: int) -> Any:
-    """A value over a received buffer (read-only, like a local view)."""
-    return codec.decoder(meta)(memoryview(buf).toreadonly(), nbytes)
+    """A value over a received (private) buffer: read-only like a local view, except a
+    tensor, which torch needs writable (as the embedded store's small tensors)."""
+    view = memoryview(buf)
+    return codec.decoder(meta)(view if meta[:1] == b"T" else view.toreadonly(), nbytes)
 
 
 _POOL: list[ThreadPoolExecutor] = []
@@ -110,7 +112,6 @@ class Router:
         self.members: dict[str, MemberInfo] = {}
         self._peers: dict[str, tp.Peer] = {}
         self._lock = threading.Lock()
-        self.changed = threading.Event()
         self.on_change: list[Callable[[], None]] = []
 
     def update(self, members: dict[str, MemberInfo]) -> None:
@@ -126,7 +127,6 @@ class Router:
                     del self._peers[mid]
         if set(members) != old:
             log.info("members: %s", ", ".join(sorted(members)) or "none")
-            self.changed.set()
             for cb in self.on_change:
                 cb()
 
