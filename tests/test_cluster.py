@@ -391,6 +391,56 @@ def test_a_member_refuses_cache_policy(harness, etcd):
     assert not os.path.exists(f"/dev/shm/yrcache.{harness.cluster}-cache")
 
 
+def test_sync_timeout_names_the_silent_owner_and_repair_copies_it_later(etcd, tmp_path):
+    import signal
+
+    h = ClusterHarness(etcd, tmp_path, YRCACHE_REPAIR_S="1")
+    try:
+        a, b = h.start(2)
+        with h.client(replicas=2) as c:
+            h.wait_members(c, 2)
+            b.proc.send_signal(signal.SIGSTOP)      # alive for etcd's lease a while, but silent:
+            # a new connection's handshake is never answered, so b never sees the frame
+            try:
+                with pytest.raises(ClusterUnavailableError, match=b.member_id) as ei:
+                    c.put("k", b"v", sync_timeout=0.5)
+                assert "the others hold it" in str(ei.value)
+            finally:
+                b.proc.send_signal(signal.SIGCONT)
+            assert "k" in a.keys()
+            # no membership change happened: the periodic repair pass copies it to b
+            wait_for(lambda: "k" in b.keys(), 15, "the repair pass to copy k to the owner that missed it")
+            assert bytes(c["k"]) == b"v"
+    finally:
+        h.close()
+
+
+def test_tier_hint_travels_to_the_owners(etcd, tmp_path):
+    from cluster_util import NodeProc
+
+    from yrcache import Tier
+
+    h = ClusterHarness(etcd, tmp_path)
+    try:
+        for i in range(2):
+            env = dict(h.env, YRCACHE_SSD=str(tmp_path / f"ssd{i}"), YRCACHE_SSD_SIZE="64MiB")
+            h.nodes.append(NodeProc(env, f"{h.cluster}-s{i}", tmp_path))
+        with h.client(replicas=2) as c:
+            h.wait_members(c, 2)
+            c.put("cold", value(1), tier=Tier.SSD)
+            c.mset({"cold2": value(2)}, tier=Tier.SSD)
+            c.put("hot", value(3))
+            for node in h.nodes:
+                peer = node.peer()
+                assert peer.get("cold", 0, 0).tier == Tier.SSD
+                assert peer.get("cold2", 0, 0).tier == Tier.SSD
+                assert peer.get("hot", 0, 0).tier == Tier.DRAM
+                peer.close()
+            assert int(c["cold"][0]) == 1 and int(c["cold2"][0]) == 2
+    finally:
+        h.close()
+
+
 # ---- the data port under attack --------------------------------------------------------
 def test_wrong_token_and_garbage_frames(etcd, tmp_path):
     h = ClusterHarness(etcd, tmp_path, YRCACHE_TOKEN="s3cret")

@@ -424,9 +424,9 @@ class Peer:
         for c in idle:
             c.sock.close()
 
-    def _connect(self) -> Conn:
+    def _connect(self, timeout: float) -> Conn:
         try:
-            s = socket.create_connection(self._hostport, timeout=self.timeout)
+            s = socket.create_connection(self._hostport, timeout=timeout)   # the handshake too
         except OSError as e:
             raise ClusterUnavailableError(f"member {self.name} at {self.address} does not answer: {e}") from e
         try:
@@ -453,7 +453,7 @@ class Peer:
         with self._lock:
             c = self._idle.pop() if self._idle else None
         if c is None:
-            c = self._connect()
+            c = self._connect(timeout if timeout is not None else self.timeout)
         c.set_timeout(timeout if timeout is not None else self.timeout)
         return c
 
