@@ -76,7 +76,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from yrcache import TieredStore
+from yrcache import TieredStore  # noqa: E402
 
 KiB, MiB, GiB = U.KiB, U.MiB, U.GiB
 pc = time.perf_counter_ns

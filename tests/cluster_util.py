@@ -183,3 +183,9 @@ class ClusterHarness:
     def close(self) -> None:
         for node in self.nodes:
             node.cleanup()
+
+    def __enter__(self) -> ClusterHarness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

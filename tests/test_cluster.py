@@ -310,9 +310,10 @@ def test_etcd_restart_mid_run_drops_no_member(harness, etcd):
         assert st["etcd"]["etcd"] == "ok" and len(st["members"]) == 4
 
 
-def test_none_mode_keeps_one_copy_through_a_join(harness):
+def test_none_mode_keeps_one_copy_through_a_join(etcd, tmp_path):
+    harness = ClusterHarness(etcd, tmp_path, YRCACHE_REPAIR_S="1")     # rebalancing passes every second
     harness.start(2)
-    with harness.client(replicas=2) as c:
+    with harness, harness.client(replicas=2) as c:
         harness.wait_members(c, 2)
         for i in range(100):
             c.put(f"n{i}", value(i), write_mode="none")
@@ -325,6 +326,8 @@ def test_none_mode_keeps_one_copy_through_a_join(harness):
             return all([m for m, ks in held.items() if f"n{i}" in ks] == c._router.owners(f"n{i}", 1)
                        for i in range(100))
         wait_for(moved, 20, "each NONE object on its one new owner")
+        time.sleep(2.5)                     # more passes, on the new owner too: still one copy each
+        assert moved()
         assert all(int(c[f"n{i}"][0]) == i for i in range(100))
 
 

@@ -268,7 +268,7 @@ class Forwarder(_Worker):
     def _send(self, batch: list[tuple[str, tuple[Version, tuple[str, ...] | None]]]) -> list[tuple[str, Version]]:
         """Ship a batch, pipelined per target member; return what must be tried again."""
         node, router = self.node, self.node.router
-        per_target: dict[str, list] = collections.defaultdict(list)
+        per_target: dict[tuple[str, int], list] = collections.defaultdict(list)   # (member, frame flags)
         held = []
         moves = any(targets is not None for _, (_, targets) in batch)
         for key, (version, targets) in batch:
@@ -283,17 +283,20 @@ class Forwarder(_Worker):
             item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
                     float(info.get("expire_at") or 0.0))
             held.append((key, version, targets))
+            flags = tp.F_SINGLE if key in node.single else 0      # a NONE object stays one copy there too
+            if info.get("tier") == Tier.SSD:
+                flags |= (int(Tier.SSD) + 1) << tp.TIER_SHIFT       # and a cold one stays cold
             for m in targets:
-                per_target[m].append(item)
+                per_target[(m, flags)].append(item)
         failed: set[str] = set()
         stale: set[str] = set()
-        for m, items in per_target.items():
+        for (m, flags), items in per_target.items():
             peer = router.peer(m)
             try:
                 if peer is None:
                     raise ClusterUnavailableError(f"member {m} left")
                 t0 = time.monotonic()
-                for it, status in zip(items, peer.mput(items)):
+                for it, status in zip(items, peer.mput(items, flags=flags)):
                     if status == tp.STALE:      # it holds something newer (or a delete): ours is outdated
                         stale.add(it[0])
                 nbytes = sum(it[3] for it in items)

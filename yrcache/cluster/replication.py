@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -332,9 +333,8 @@ class Router:
              into: Callable[[bytes, int], Any] | None = None) -> tp.Got | None:
         """Fetch ``key`` from its owners, then (while objects move) from the other members."""
         owners = self.owners(key)
-        others = [m for m in self.ring.members if m not in owners]
         errors = []
-        for m in owners + others:
+        for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners)):
             if m == skip:
                 continue
             node = self.node
