@@ -76,3 +76,25 @@ class TestEmbeddedStore(StoreSuite):
         finally:
             stop.set()
             t.join()
+
+
+def test_get_raw_returns_the_header_and_stored_bytes(store_name, tmp_path):
+    with TieredStore(name=store_name, dram="16MiB", ssd=str(tmp_path / "ssd"), ssd_size="64MiB",
+                     pickle=True) as s:
+        big = np.arange(100_000, dtype=np.int64)
+        s["big"] = big
+        s["small"] = b"abc"
+        s.put("cold", np.arange(10, dtype=np.int16), tier=Tier.SSD)
+        s["obj"] = {"x": 1}
+        meta, view = s.get_raw("big")
+        assert meta == b"N;<i8;100000" and view.readonly and view.tobytes() == big.tobytes()
+        s["big"] = np.zeros(3)                       # the view pins the bytes it shows
+        assert view.tobytes() == big.tobytes()
+        assert s.get_raw("small") == (b"B", memoryview(b"abc"))
+        meta, view = s.get_raw("cold")
+        assert meta == b"N;<i2;10" and view.tobytes() == np.arange(10, dtype=np.int16).tobytes()
+        assert s.get_raw("missing") is None
+        with pytest.raises(TypeError, match="pickled"):
+            s.get_raw("obj")
+        del view
+        s.check()

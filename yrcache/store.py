@@ -421,14 +421,21 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         if got is None:
             return None
         info, small = got
+        meta = small[:info.meta_len] if small is not None else a.meta(info)
+        if meta[:1] == b"P":
+            if small is None:
+                a.unpin(info.pin)
+            raise TypeError(f"{key!r} holds a pickled object, which has no raw form: read it with get()")
         if small is not None:
-            return small[:info.meta_len], memoryview(small)[info.meta_len:]
-        value = self._value(a, info, key)
+            return meta, memoryview(small)[info.meta_len:]
+        value = self._placement.read(key, info, meta, _raw_view)    # DRAM: a pinned view, as stored
         if value is RETRY:
             value = self.get(key, _MISSING)
             if value is _MISSING:
                 return None
-        meta, payload, nbytes = codec.encode(value, True)
+        if isinstance(value, memoryview):
+            return meta, value
+        _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
         return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
 
     def _small_value(self, meta: bytes, body: memoryview, nbytes: int, key: str) -> Any:
@@ -604,6 +611,10 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
 
 def _attach_by_name(name: str, pickle: bool) -> TieredStore:
     return TieredStore.attach(name, pickle=pickle)
+
+
+def _raw_view(buf: Any, nbytes: int) -> memoryview:
+    return memoryview(buf).cast("B").toreadonly()
 
 
 def _device_filler(t: Any):
