@@ -116,17 +116,17 @@ def open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
         fd = os.dup(shm.fd)   # close-on-exec; kept for the slot lock
     finally:
         shm.close_fd()
-    # The creator holds an exclusive flock until it is registered as the owner
-    # (creation_done); an opener waits for it, so a concurrent create of the same
-    # name never finds a ready arena whose owner looks absent and adopts it too.
+    # The creator holds an exclusive flock until it is registered as the owner, an
+    # opener a shared one until it has checked the arena and registered (both end
+    # with creation_done, or by closing fd). So an opener either finds no arena yet
+    # (and the creator waits for it to leave) or a creator already registered: a
+    # concurrent create of the same name never adopts a live creator's arena.
     fcntl.flock(fd, fcntl.LOCK_EX if created else fcntl.LOCK_SH)
-    if not created:
-        fcntl.flock(fd, fcntl.LOCK_UN)
     return fd, created
 
 
 def creation_done(fd: int) -> None:
-    """The creator is registered: let openers of the segment through."""
+    """This process is registered in the arena: release open_segment's flock."""
     fcntl.flock(fd, fcntl.LOCK_UN)
 
 
