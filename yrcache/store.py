@@ -409,35 +409,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept "
                                    "moving between tiers, or the process holding it in HBM does not answer")
 
-    def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
-        """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.
-
-        ``meta`` is the codec header; ``payload`` the stored bytes, read-only: a
-        private copy for a small object, else a view that pins them.  For passing
-        an object on as it is (cluster mode sends these over the wire).
-        """
-        a = self._a
-        got = a.read(key_bytes(key), small=self._hbm is None)
-        if got is None:
-            return None
-        info, small = got
-        meta = small[:info.meta_len] if small is not None else a.meta(info)
-        if meta[:1] == b"P":
-            if small is None:
-                a.unpin(info.pin)
-            raise TypeError(f"{key!r} holds a pickled object, which has no raw form: read it with get()")
-        if small is not None:
-            return meta, memoryview(small)[info.meta_len:]
-        value = self._placement.read(key, info, meta, _raw_view)    # DRAM: a pinned view, as stored
-        if value is RETRY:
-            value = self.get(key, _MISSING)
-            if value is _MISSING:
-                return None
-        if isinstance(value, memoryview):
-            return meta, value
-        _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
-        return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
-
     def _small_value(self, meta: bytes, body: memoryview, nbytes: int, key: str) -> Any:
         """The value of a small object copied out by a read: read-only, private."""
         kind = meta[:1]
@@ -611,10 +582,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
 
 def _attach_by_name(name: str, pickle: bool) -> TieredStore:
     return TieredStore.attach(name, pickle=pickle)
-
-
-def _raw_view(buf: Any, nbytes: int) -> memoryview:
-    return memoryview(buf).cast("B").toreadonly()
 
 
 def _device_filler(t: Any):

@@ -1,7 +1,7 @@
 """The store's operations beside the mapping protocol: what is where, stats,
 checks, named words and memory hints.  ``TieredStore`` inherits them
 (``store.py`` keeps the facade's core: puts, reads, deletes, keys, life cycle),
-and ``get_into``, the read into a caller's buffer.
+and ``get_raw``/``get_into``, reads of the stored bytes.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import codec
 from .config import Tier
+from .placement import RETRY
 from .errors import YrcacheError
 from .tiers.dram import TIER_DRAM, Word
 from .types import Value
@@ -104,6 +105,35 @@ class StoreOps:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 200 or "\x00" in name:
             raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
         return self._a.word(_WORD_PREFIX + name)
+
+    def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
+        """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.
+
+        ``meta`` is the codec header; ``payload`` the stored bytes, read-only: a
+        private copy for a small object, else a view that pins them.  For passing
+        an object on as it is (cluster mode sends these over the wire).
+        """
+        a = self._a
+        got = a.read(key_bytes(key), small=self._hbm is None)
+        if got is None:
+            return None
+        info, small = got
+        meta = small[:info.meta_len] if small is not None else a.meta(info)
+        if meta[:1] == b"P":
+            if small is None:
+                a.unpin(info.pin)
+            raise TypeError(f"{key!r} holds a pickled object, which has no raw form: read it with get()")
+        if small is not None:
+            return meta, memoryview(small)[info.meta_len:]
+        value = self._placement.read(key, info, meta, _raw_view)    # DRAM: a pinned view, as stored
+        if value is RETRY:
+            value = self.get(key, _MISSING)
+            if value is _MISSING:
+                return None
+        if isinstance(value, memoryview):
+            return meta, value
+        _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
+        return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
 
     def get_into(self, key: str, out: _Out) -> _Out:
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
@@ -221,3 +251,7 @@ class StoreOps:
             raise YrcacheError(f"arena invariant violated: {msg}")
         if self._multi_tier:
             self._placement.check_tiers()
+
+
+def _raw_view(buf: Any, nbytes: int) -> memoryview:
+    return memoryview(buf).cast("B").toreadonly()

@@ -282,7 +282,7 @@ class Forwarder(_Worker):
             info = node.local.info(key) or {}
             item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
                     float(info.get("expire_at") or 0.0))
-            held.append((key, version, targets))
+            held.append((key, version))
             flags = tp.F_SINGLE if key in node.single else 0      # a NONE object stays one copy there too
             if info.get("tier") == Tier.SSD:
                 flags |= (int(Tier.SSD) + 1) << tp.TIER_SHIFT       # and a cold one stays cold
@@ -313,7 +313,7 @@ class Forwarder(_Worker):
                 failed.update(it[0] for it in items)
         del per_target
         retry = []
-        for key, version, _ in held:
+        for key, version in held:
             if key in failed:
                 retry.append((key, version))
             elif key in stale or node.member_id not in node.owners(key):

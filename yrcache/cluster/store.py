@@ -79,6 +79,10 @@ def _env_int(name: str, default: int) -> int:
 class ClusterStore(TieredStore):
     """A :class:`~yrcache.TieredStore` whose keys live on an etcd-coordinated cluster.
 
+    It overrides the operations that touch data (``put``, ``get``, ``delete``,
+    ``keys``...); ``s[k]``, ``del s[k]``, iteration and ``clear`` come from the
+    facade and go through them.
+
     ``role`` is ``"member"`` (this process serves the node's arena), ``"attached"``
     (another process of this machine does) or ``"client"`` (``member=False``).
     """
@@ -239,9 +243,6 @@ class ClusterStore(TieredStore):
                          self._mode(write_mode), sync_timeout, _tier(tier))
         self._ops["puts"] += 1
 
-    def __setitem__(self, key: str, value: Value) -> None:
-        self.put(key, value)
-
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None, write_mode: WriteMode | str | None = None,
              sync_timeout: float | None = None) -> None:
@@ -277,14 +278,6 @@ class ClusterStore(TieredStore):
         self._ops["deletes"] += found
         return found
 
-    def __delitem__(self, key: str) -> None:
-        if not self.delete(key):
-            raise KeyError(key)
-
-    def clear(self) -> None:
-        for k in list(self.keys()):
-            self.delete(k)
-
     # ---- reads -------------------------------------------------------------------------
     def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
         """The value of ``key``: zero-copy from this node's arena when it holds one, else
@@ -312,12 +305,6 @@ class ClusterStore(TieredStore):
             return memoryview(codec.flat_bytes(value).data)[offset:offset + length].toreadonly()
         got = self._router.read(key, offset, length, skip=self._router.member_id if self._local else None)
         return None if got is None else memoryview(got[1]).toreadonly()
-
-    def __getitem__(self, key: str) -> Value:
-        v = self.get(key, _MISSING)
-        if v is _MISSING:
-            raise KeyError(key)
-        return v
 
     def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Value | None]:
         """Values of ``keys`` (None where missing): local ones zero-copy, the rest pipelined per owner."""
@@ -363,9 +350,6 @@ class ClusterStore(TieredStore):
         """Every key on the cluster (a union over the members), sorted."""
         self._check_open()
         return iter(sorted(self._router.keys(prefix)))
-
-    def __iter__(self) -> Iterator[str]:
-        return self.keys()
 
     def __len__(self) -> int:
         return len(self._router.keys(""))

@@ -1,0 +1,348 @@
+"""The cluster data plane's client side: pooled, authenticated connections to a member.
+
+A :class:`Peer` keeps a few idle :class:`Conn` per member; each answers the
+server's nonce with ``HMAC-SHA256(token, nonce)`` once, when it connects.
+Batches are pipelined (every request frame out first, then every reply), and
+``send_puts`` packs runs of small puts into MPUT frames. The frame format is
+``wire.py``; the server is ``transport.py``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import AuthenticationError, ClusterUnavailableError
+from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, HAVE, KEYS, MAGIC, MAX_BATCH,
+                   MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
+                   STAT, Frame, Got, ProtocolError, Reader, RemoteError, alloc, decode_entries, encode_entries,
+                   pack, proof, read_frame, recv_exact, split_address)
+
+
+class Conn:
+    """One authenticated connection: its socket and its read buffer."""
+
+    __slots__ = ("sock", "rd", "timeout")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.rd = Reader(sock)
+        self.timeout: float | None = sock.gettimeout()
+
+    def set_timeout(self, timeout: float | None) -> None:
+        if timeout != self.timeout:
+            self.sock.settimeout(timeout)
+            self.timeout = timeout
+
+    def reply(self, op: int) -> Frame:
+        f = read_frame(self.rd)
+        if f.op != op:
+            raise ProtocolError(f"asked {OP_NAMES[op]}, got a reply to {OP_NAMES.get(f.op, f.op)}")
+        if f.status in (ERROR, FULL):
+            msg = f.meta.decode(errors="replace")
+            if f.status == FULL:
+                raise RemoteError(f"member is full: {msg}", FULL)
+            raise RemoteError(msg, ERROR)
+        return f
+
+    def body(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.rd.readinto(buf)
+        return bytes(buf)
+
+    def send_put(self, key: str, meta: bytes, payload: Any, nbytes: int, version: tuple[int, int],
+                 priority: int, expire_at: float, flags: int) -> None:
+        head = pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                    expire_at=expire_at)
+        if not nbytes:
+            self.sock.sendall(head)
+        elif nbytes <= SMALL:
+            self.sock.sendall(head + memoryview(payload).cast("B"))
+        else:
+            self.sock.sendall(head)
+            self.sock.sendall(memoryview(payload).cast("B"))
+
+    def recv_get(self, into: Callable[[bytes, int], Any] | None = None) -> Got | None:
+        f = self.reply(GET)
+        if f.status == NOT_FOUND:
+            return None
+        buf = into(f.meta, f.plen) if into is not None else alloc(f.plen)
+        if f.plen:
+            self.rd.readinto(memoryview(buf).cast("B")[:f.plen])
+        return Got(f.meta, buf, f.version, f.flags - 1)
+
+
+    def recv_mget(self, n: int) -> list[Got | None]:
+        f = self.reply(MGET)
+        if f.length != n:
+            raise ProtocolError(f"asked for {n} keys, got {f.length}")
+        out: list[Got | None] = []
+        if f.plen <= SMALL_REPLY:             # one read, values are slices of it
+            body = bytearray(f.plen)
+            self.rd.readinto(body)
+            view = memoryview(body)
+            pos = 0
+            for _ in range(n):
+                found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack_from(body, pos)
+                pos += _GOT_ITEM.size
+                if not found:
+                    out.append(None)
+                    continue
+                if mlen > MAX_META or pos + mlen + nbytes > f.plen:
+                    raise ProtocolError("a bad item in an mget reply")
+                out.append(Got(bytes(view[pos:pos + mlen]), view[pos + mlen:pos + mlen + nbytes], (hlc, writer)))
+                pos += mlen + nbytes
+            return out
+        for _ in range(n):
+            found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack(self.rd.take(_GOT_ITEM.size))
+            if not found:
+                out.append(None)
+                continue
+            if mlen > MAX_META or nbytes > f.plen:
+                raise ProtocolError("a bad item in an mget reply")
+            meta = bytes(self.rd.take(mlen))
+            buf = alloc(nbytes)
+            if nbytes:
+                self.rd.readinto(memoryview(buf).cast("B")[:nbytes])
+            out.append(Got(meta, buf, (hlc, writer)))
+        return out
+
+    def send_mget(self, keys: Sequence[str]) -> None:
+        body = encode_entries((k, (0, 0)) for k in keys)
+        self.sock.sendall(pack(MGET, plen=len(body)) + body)
+
+
+
+
+class Peer:
+    """Pooled, authenticated connections to one member's data port."""
+
+    def __init__(self, address: str, token: bytes | None = None, name: str = "", timeout: float = 30.0,
+                 pool: int = 8):
+        self.address = address
+        self.name = name or address
+        self._hostport = split_address(address)
+        self._token = token or b""
+        self.timeout = timeout
+        self._idle: list[Conn] = []
+        self._max_idle = pool
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        self._closed = True
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for c in idle:
+            c.sock.close()
+
+    def _connect(self, timeout: float) -> Conn:
+        try:
+            s = socket.create_connection(self._hostport, timeout=timeout)   # the handshake too
+        except OSError as e:
+            raise ClusterUnavailableError(f"member {self.name} at {self.address} does not answer: {e}") from e
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = bytearray(3 + NONCE)
+            recv_exact(s, hello)
+            if bytes(hello[:2]) != MAGIC or hello[2] != PROTO:
+                raise ProtocolError(f"{self.address} is not a yrcache member (protocol {hello[2]})")
+            s.sendall(proof(self._token, bytes(hello[3:])))
+            verdict = bytearray(1)
+            recv_exact(s, verdict)
+        except (OSError, ConnectionError) as e:
+            s.close()
+            raise ClusterUnavailableError(f"member {self.name} at {self.address}: handshake failed: {e}") from e
+        if verdict[0] != 0:
+            s.close()
+            raise AuthenticationError(
+                f"member {self.name} at {self.address} refused our token: set YRCACHE_TOKEN to the "
+                "cluster's shared secret (the same on every member and client)")
+        return Conn(s)
+
+    def borrow(self, timeout: float | None = None) -> Conn:
+        """A pooled (or new) connection; give it back with :meth:`give_back`, or close it."""
+        with self._lock:
+            c = self._idle.pop() if self._idle else None
+        if c is None:
+            c = self._connect(timeout if timeout is not None else self.timeout)
+        c.set_timeout(timeout if timeout is not None else self.timeout)
+        return c
+
+    def give_back(self, c: Conn) -> None:
+        with self._lock:
+            keep = len(self._idle) < self._max_idle and not self._closed and not c.rd.buffered
+            if keep:
+                self._idle.append(c)
+        if not keep:
+            c.sock.close()
+
+    def error(self, e: BaseException, timeout: float | None = None) -> ClusterUnavailableError:
+        """The error a caller sees when this member failed mid-request."""
+        if isinstance(e, ClusterUnavailableError):
+            return e
+        if isinstance(e, TimeoutError):
+            return ClusterUnavailableError(
+                f"member {self.name} at {self.address} did not answer within "
+                f"{timeout if timeout is not None else self.timeout:g} s")
+        return ClusterUnavailableError(f"member {self.name} at {self.address}: {e}")
+
+    def _call(self, fn: Callable[[Conn], Any], timeout: float | None = None) -> Any:
+        for attempt in (0, 1):
+            c = None
+            try:
+                c = self.borrow(timeout)
+                out = fn(c)
+                self.give_back(c)
+                return out
+            except (AuthenticationError, RemoteError):
+                if c is not None:
+                    c.sock.close()
+                raise
+            except (ConnectionError, OSError) as e:
+                if c is not None:
+                    c.sock.close()
+                # a pooled connection may have been closed by a restarted peer: retry once on a
+                # fresh one (a put is idempotent: the same version is SAME the second time)
+                if attempt or isinstance(e, (ClusterUnavailableError, TimeoutError)):
+                    raise self.error(e, timeout) from e
+            except BaseException:
+                if c is not None:
+                    c.sock.close()
+                raise
+        raise AssertionError("unreachable")
+
+    # -- single requests
+    def put(self, key: str, meta: bytes, payload: Any, nbytes: int, version: tuple[int, int], *,
+            priority: int = 0, expire_at: float = 0.0, flags: int = 0, timeout: float | None = None) -> int:
+        """Send one object; return ``OK``, ``SAME`` (it had this version) or ``STALE`` (a newer one)."""
+        def go(c: Conn) -> int:
+            c.send_put(key, meta, payload, nbytes, version, priority, expire_at, flags)
+            return c.reply(PUT).status
+        return self._call(go, timeout)
+
+    def get(self, key: str, offset: int = 0, length: int = ALL, *, into: Callable[[bytes, int], Any] | None = None,
+            timeout: float | None = None) -> Got | None:
+        """The object (or range) or None; ``into(meta, n)`` may supply the buffer to receive into."""
+        def go(c: Conn) -> Got | None:
+            c.sock.sendall(pack(GET, key.encode(), offset=offset, length=length))
+            return c.recv_get(into)
+        return self._call(go, timeout)
+
+    def delete(self, key: str, version: tuple[int, int], timeout: float | None = None) -> bool:
+        def go(c: Conn) -> bool:
+            c.sock.sendall(pack(DELETE, key.encode(), version=version))
+            return c.reply(DELETE).status == OK
+        return self._call(go, timeout)
+
+    def keys(self, prefix: str = "") -> list[tuple[str, tuple[int, int]]]:
+        def go(c: Conn) -> list[tuple[str, tuple[int, int]]]:
+            c.sock.sendall(pack(KEYS, prefix.encode()))
+            return decode_entries(c.body(c.reply(KEYS).plen))
+        return self._call(go)
+
+    def have(self, entries: Sequence[tuple[str, tuple[int, int]]]) -> bytes:
+        body = encode_entries(entries)
+
+        def go(c: Conn) -> bytes:
+            c.sock.sendall(pack(HAVE, plen=len(body)) + body)
+            return c.body(c.reply(HAVE).plen)
+        return self._call(go)
+
+    def stat(self) -> bytes:
+        def go(c: Conn) -> bytes:
+            c.sock.sendall(pack(STAT))
+            return c.body(c.reply(STAT).plen)
+        return self._call(go)
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        def go(c: Conn) -> bool:
+            c.sock.sendall(pack(FLUSH, expire_at=timeout))
+            return c.reply(FLUSH).status == OK
+        return self._call(go, timeout + 5)
+
+    def ping(self, timeout: float | None = None) -> None:
+        def go(c: Conn) -> None:
+            c.sock.sendall(pack(PING))
+            c.reply(PING)
+        self._call(go, timeout)
+
+    # -- pipelined batches
+    def mput(self, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]], *,
+             flags: int = 0, timeout: float | None = None) -> list[int]:
+        """Put ``(key, meta, payload, nbytes, version, priority, expire_at)`` items in one pipeline."""
+        def go(c: Conn) -> list[int]:
+            return recv_puts(c, send_puts(c, items, flags))
+        return self._call(go, timeout)
+
+    def mget(self, keys: Sequence[str], timeout: float | None = None) -> list[Got | None]:
+        def go(c: Conn) -> list[Got | None]:
+            out: list[Got | None] = []
+            for i in range(0, len(keys), MAX_BATCH):
+                c.send_mget(keys[i:i + MAX_BATCH])
+                out += c.recv_mget(len(keys[i:i + MAX_BATCH]))
+            return out
+        return self._call(go, timeout)
+
+
+def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]],
+              flags: int = 0) -> list[int]:
+    """Write puts as few frames: runs of small items go as MPUT frames, each large one
+    as its own PUT (sent from its buffer). Returns the items per frame (0: a PUT)."""
+    frames: list[int] = []
+    out = bytearray()
+    run = bytearray()
+    n = 0
+
+    def close_run() -> None:
+        nonlocal run, n
+        if n:
+            out.extend(pack(MPUT, plen=len(run), flags=flags, length=n))
+            out.extend(run)
+            frames.append(n)
+            run, n = bytearray(), 0
+    for key, meta, payload, nbytes, version, priority, expire_at in items:
+        if nbytes > SMALL:
+            close_run()
+            out.extend(pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                            expire_at=expire_at))
+            c.sock.sendall(out)
+            c.sock.sendall(memoryview(payload).cast("B"))
+            out = bytearray()
+            frames.append(0)
+            continue
+        kb = key.encode()
+        run += _PUT_ITEM.pack(len(kb), len(meta), nbytes, version[0], version[1], priority, expire_at)
+        run += kb
+        run += meta
+        if nbytes:
+            run += memoryview(payload).cast("B")
+        n += 1
+        if n >= MAX_BATCH or len(run) > (1 << 20):
+            close_run()
+            c.sock.sendall(out)
+            out = bytearray()
+    close_run()
+    if out:
+        c.sock.sendall(out)
+    return frames
+
+
+def recv_puts(c: Conn, frames: list[int]) -> list[int]:
+    """The statuses of the puts :func:`send_puts` sent, in order."""
+    statuses: list[int] = []
+    for n in frames:
+        if n == 0:
+            statuses.append(c.reply(PUT).status)
+        else:
+            f = c.reply(MPUT)
+            if f.plen != n:
+                raise ProtocolError(f"an mput of {n} items answered with {f.plen} statuses")
+            statuses += c.body(n)
+    bad = [x for x in statuses if x in (ERROR, FULL)]
+    if bad:
+        raise RemoteError(f"the member refused {len(bad)} of {len(statuses)} puts"
+                          + (" (it is full)" if FULL in bad else ""), FULL if FULL in bad else ERROR)
+    return statuses
