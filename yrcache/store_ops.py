@@ -6,14 +6,23 @@ and ``get_raw``/``get_into``, reads of the stored bytes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import threading
 import time
+import zlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import codec
 from .config import Tier
 from .placement import RETRY
 from .errors import YrcacheError
+from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
 from .tiers.dram import TIER_DRAM, Word
+from .tiers.segment import seg_path
 from .types import Value
 from .validate import key_bytes
 
@@ -105,6 +114,13 @@ class StoreOps:
         if not isinstance(name, str) or not 0 < len(name.encode()) <= 200 or "\x00" in name:
             raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
         return self._a.word(_WORD_PREFIX + name)
+
+    def node_lock(self, key: str) -> AbstractContextManager[None]:
+        """A lock shared by every process of this machine using this store: ``with
+        s.node_lock(k):`` holds one of 4096 locks, chosen by a hash of ``k`` (unrelated
+        keys may share one). It is let go when the block ends or the holder dies (an
+        OFD lock on the store's segment). Not reentrant."""
+        return _node_lock(self.name, key)
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
         """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.
@@ -255,3 +271,37 @@ class StoreOps:
 
 def _raw_view(buf: Any, nbytes: int) -> memoryview:
     return memoryview(buf).cast("B").toreadonly()
+
+
+_LOCK_STRIPES = 4096
+_LOCK_BASE = 1 << 40                   # lock bytes far past the arena, beside nothing else
+_thread_locks = [threading.Lock() for _ in range(64)]
+_lock_fds: dict[str, tuple[int, int]] = {}     # store name -> (pid, fd): OFD locks are per open file
+
+
+def _fresh_thread_locks() -> None:       # a forked child must not inherit a parent thread's hold
+    _thread_locks[:] = [threading.Lock() for _ in range(64)]
+
+
+os.register_at_fork(after_in_child=_fresh_thread_locks)
+
+
+def _lock_fd(name: str) -> int:
+    got = _lock_fds.get(name)
+    if got is not None and got[0] == os.getpid():
+        return got[1]
+    fd = os.open(seg_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a forked child's own)
+    _lock_fds[name] = (os.getpid(), fd)
+    return fd
+
+
+@contextlib.contextmanager
+def _node_lock(name: str, key: str) -> Iterator[None]:
+    stripe = zlib.crc32(key.encode()) % _LOCK_STRIPES
+    with _thread_locks[stripe % 64]:          # an OFD lock does not exclude threads sharing the fd
+        fd = _lock_fd(name)
+        _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
+        try:
+            yield
+        finally:
+            _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)

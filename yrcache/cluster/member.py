@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from .replication import Router
 
 log = logging.getLogger("yrcache.cluster")
+#: Keys a node's processes keep in its arena for themselves (``ClusterStore.node_store``):
+#: not the cluster's, so never listed, forwarded or rebalanced.
+NODE_PREFIX = "__node__/"
 
 
 class Node(tp.Handler):
@@ -155,7 +158,8 @@ class Node(tp.Handler):
         return self.remove(f.key, f.version)
 
     def keys(self, prefix: str) -> list[tuple[str, Version]]:
-        return [(k, self.versions.get(k, (0, 0))) for k in self.local.keys(prefix)]
+        return [(k, self.versions.get(k, (0, 0))) for k in self.local.keys(prefix)
+                if not k.startswith(NODE_PREFIX)]
 
     def have(self, entries: list[tuple[str, Version]]) -> bytes:
         out = bytearray(len(entries))

@@ -225,6 +225,12 @@ class Membership:
         with self._lock:
             return dict(self._members)
 
+    def client(self) -> Any:
+        """The etcd client (for other keys of this cluster; valid until :meth:`close`)."""
+        if self._client is None:
+            raise RuntimeError("membership not started")
+        return self._client
+
     def stats(self) -> dict[str, Any]:
         """Health and counters: ``etcd`` is ``"ok"``, ``"unreachable"``, ``"new"`` or ``"closed"``."""
         with self._lock:
@@ -276,7 +282,7 @@ class Membership:
         for kv in resp.kvs:
             info = self._parse(kv.key, kv.value)
             if info is not None:
-                members[info.member_id] = info
+                members[kv.key.decode("utf-8", "replace")[len(self.prefix):]] = info
         rev = int(resp.header.revision)
         self._set_members(members, rev)
         return rev

@@ -15,10 +15,26 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import AuthenticationError, ClusterUnavailableError
-from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, HAVE, KEYS, MAGIC, MAX_BATCH,
+from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
                    MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
-                   STAT, Frame, Got, ProtocolError, Reader, RemoteError, alloc, decode_entries, encode_entries,
-                   pack, proof, read_frame, recv_exact, split_address)
+                   STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
+                   encode_entries, encode_spans, pack, proof, read_frame, recv_exact, spans_nbytes, split_address)
+
+
+class _Counter:
+    """Payload bytes this process received from members (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.value += n
+
+
+#: Object payload bytes this process has received over the data plane (GET, GETV, MGET).
+RECEIVED = _Counter()
 
 
 class Conn:
@@ -71,6 +87,7 @@ class Conn:
         buf = into(f.meta, f.plen) if into is not None else alloc(f.plen)
         if f.plen:
             self.rd.readinto(memoryview(buf).cast("B")[:f.plen])
+            RECEIVED.add(f.plen)
         return Got(f.meta, buf, f.version, f.flags - 1)
 
 
@@ -78,6 +95,7 @@ class Conn:
         f = self.reply(MGET)
         if f.length != n:
             raise ProtocolError(f"asked for {n} keys, got {f.length}")
+        RECEIVED.add(f.plen)
         out: list[Got | None] = []
         if f.plen <= SMALL_REPLY:             # one read, values are slices of it
             body = bytearray(f.plen)
@@ -229,6 +247,27 @@ class Peer:
         def go(c: Conn) -> Got | None:
             c.sock.sendall(pack(GET, key.encode(), offset=offset, length=length))
             return c.recv_get(into)
+        return self._call(go, timeout)
+
+    def getv(self, key: str, spans: Sequence[Span], *, into: Callable[[bytes, int], Any] | None = None,
+             timeout: float | None = None) -> Got | None:
+        """The bytes of ``spans`` of ``key``'s payload, packed in order (``wire.gather``),
+        or None; ``into(meta, n)`` may supply the buffer to receive into."""
+        want = spans_nbytes(spans)
+        body = encode_spans(spans)
+
+        def go(c: Conn) -> Got | None:
+            c.sock.sendall(pack(GETV, key.encode(), plen=len(body)) + body)
+            f = c.reply(GETV)
+            if f.status == NOT_FOUND:
+                return None
+            if f.plen != want:
+                raise ProtocolError(f"asked for {want} bytes of {key!r}, got {f.plen}")
+            buf = into(f.meta, f.plen) if into is not None else alloc(f.plen)
+            if f.plen:
+                c.rd.readinto(memoryview(buf).cast("B")[:f.plen])
+            RECEIVED.add(f.plen)
+            return Got(f.meta, buf, f.version)
         return self._call(go, timeout)
 
     def delete(self, key: str, version: tuple[int, int], timeout: float | None = None) -> bool:

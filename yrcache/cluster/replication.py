@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -352,6 +352,43 @@ class Router:
                 return got
         if owners and len(errors) >= len([m for m in owners if m != skip]) > 0:
             raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
+        return None
+
+    def read_spans(self, key: str, spans: list[tp.Span], into: Callable[[bytes, int], Any] | None = None,
+                   prefer: Iterable[str] = (), skip: str | None = None) -> tp.Got | None:
+        """The bytes of ``spans`` of ``key``'s payload, packed (``wire.gather``): asked of
+        the ``prefer``-red members first, then the owners, then the other members."""
+        owners = self.owners(key)
+        order = list(dict.fromkeys(itertools.chain(prefer, owners, self.ring.members)))
+        errors = []
+        for m in order:
+            if m == skip or m not in self.members:
+                continue
+            node = self.node
+            try:
+                if node is not None and m == node.member_id:
+                    got = node.read(key)
+                    if got is not None:
+                        parts = tp.gather(got.buf, spans)
+                        n = sum(memoryview(p).nbytes for p in parts)
+                        buf = into(got.meta, n) if into is not None else tp.alloc(n)
+                        dst, pos = memoryview(buf).cast("B"), 0
+                        for part in parts:
+                            v = memoryview(part).cast("B")
+                            dst[pos:pos + v.nbytes] = v
+                            pos += v.nbytes
+                        got = tp.Got(got.meta, buf, got.version)
+                else:
+                    peer = self.peer(m)
+                    got = peer.getv(key, spans, into=into) if peer is not None else None
+            except ClusterUnavailableError as e:
+                errors.append(f"{m}: {e}")
+                continue
+            if got is not None:
+                return got
+        if errors:
+            raise ClusterUnavailableError(f"read of {key!r}: no member holding it answered "
+                                          f"({'; '.join(errors)})")
         return None
 
     def keys(self, prefix: str) -> set[str]:

@@ -33,8 +33,9 @@ from ..types import Value
 from ..validate import expire_at as _expire_at, key_bytes, priority as _priority
 from . import transport as tp
 from .membership import Membership, check_name
-from .member import Node
-from .replication import Router, decode
+from .member import NODE_PREFIX, Node
+from .records import Mirror, SharedWord
+from .replication import Router, check_wire_meta, decode
 
 log = logging.getLogger("yrcache.cluster")
 _LIVE: dict[int, weakref.ref[ClusterStore]] = {}      # stores to close at exit (a mapping is unhashable)
@@ -98,6 +99,8 @@ class ClusterStore(TieredStore):
         self._membership: Membership | None = None
         self._server: tp.Server | None = None
         self._node: Node | None = None
+        self._mirror: Mirror | None = None
+        self._shared: dict[str, SharedWord] = {}
         endpoints, self.cluster = parse_cluster(cluster)
         check_name("cluster name", self.cluster)
         self._args = dict(name=name, cluster=cluster, listen=listen, replicas=replicas, write_mode=write_mode,
@@ -178,6 +181,7 @@ class ClusterStore(TieredStore):
         self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
                                       on_change=router.update).start()
         router.update(self._membership.members())
+        self._mirror = Mirror(self._local, endpoints, self.cluster)
         cfg = dict(self._local._config)
         cfg.update(cluster_member=member_id, cluster_address=address, cluster=self.cluster, cluster_etcd=endpoints)
         self._local._a.write_config(cfg)
@@ -240,6 +244,27 @@ class ClusterStore(TieredStore):
         key_bytes(key)
         meta, payload, nbytes = self._encode(value)
         self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
+                         self._mode(write_mode), sync_timeout, _tier(tier))
+        self._ops["puts"] += 1
+
+    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Any, *, priority: int = 0,
+                 ttl: float | None = None, tier: Tier | None = None, write_mode: WriteMode | str | None = None,
+                 sync_timeout: float | None = None) -> None:
+        """``TieredStore.put_with`` for a cluster: ``fill(view)`` writes the payload into a
+        private buffer (``fill`` may also be that buffer), which is then sent to the owners."""
+        self._check_open()
+        key_bytes(key)
+        if meta[:1] == b"P":
+            raise TypeError("pickled objects never travel between members")
+        check_wire_meta(meta, nbytes)
+        if callable(fill):
+            buf = tp.alloc(nbytes)
+            fill(np.frombuffer(buf, np.uint8, nbytes))
+        else:
+            buf = fill
+            if memoryview(buf).nbytes != nbytes:
+                raise ValueError(f"fill is a buffer of {memoryview(buf).nbytes} bytes, not nbytes={nbytes}")
+        self._router.put(key, meta, buf, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
                          self._mode(write_mode), sync_timeout, _tier(tier))
         self._ops["puts"] += 1
 
@@ -439,9 +464,86 @@ class ClusterStore(TieredStore):
             raise NotImplementedError("a pure cluster client (member=False) has no local words")
         return self._local.word(name)
 
+    # ---- node-level sharing (yrcache.rl across nodes) ----------------------------------
+    def shared_word(self, name: str) -> SharedWord:
+        """The cluster-wide rising counter ``name``: kept in etcd, raised by compare-and-swap
+        (``raise_to``), and mirrored by every node's member into that node's arena word
+        ``name``, so ``wait`` sleeps on a local futex and wakes when any node raises it."""
+        self._check_open()
+        if self._local is None or self._membership is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no node to mirror "
+                                      "shared words into; attach to a node (YRCACHE_NAME) instead")
+        w = self._shared.get(name)
+        if w is None:
+            w = self._shared[name] = SharedWord(name, self.cluster, self._membership.client(),
+                                                self._local.word(name))
+        return w
+
+    @property
+    def node_store(self) -> TieredStore | None:
+        """This machine's arena as an embedded store (None for a pure client): what is put
+        there stays on this node, unreplicated and unversioned, for the node's processes
+        to share (``yrcache.rl`` lands fetched weights there once per node). Use keys
+        under ``NODE_PREFIX`` (``"__node__/"``): cluster key listings and rebalancing
+        skip them, and a restarted member starts without them."""
+        return self._local
+
+    def owners(self, key: str) -> list[str]:
+        """The member ids that own ``key`` now (the ring's answer, first owner first)."""
+        key_bytes(key)
+        return list(self._router.owners(key))
+
+    def read_ranges(self, key: str, spans: Iterable[tuple[int, int, int, int]], *, into: Any = None,
+                    prefer: Iterable[str] = ()) -> Any:
+        """Only the bytes of ``spans`` of ``key``'s payload, packed in order, or None.
+
+        A span ``(offset, run, rows, stride)`` is ``rows`` runs of ``run`` bytes, ``stride``
+        apart. Served from this node's arena when it holds the key, else asked of the
+        members in ``prefer`` first, then the owners; only the requested bytes travel,
+        received straight into ``into`` (a writable buffer of the packed size) when given.
+        Raises ``ClusterUnavailableError`` when no member that could hold it answers."""
+        self._check_open()
+        key_bytes(key)
+        try:
+            todo = [(int(o), int(r), int(n), int(st)) for o, r, n, st in spans]
+        except (TypeError, ValueError):
+            todo = [(-1, 0, 0, 0)]
+        if len(todo) > tp.MAX_BATCH or any(min(sp) < 0 for sp in todo):
+            raise ValueError(f"spans must be at most {tp.MAX_BATCH} (offset, run, rows, stride) "
+                             "tuples of ints >= 0")
+        n = tp.spans_nbytes(todo)
+        dst = None
+        if into is not None:
+            dst = memoryview(into).cast("B")
+            if dst.readonly or dst.nbytes != n:
+                raise ValueError(f"into must be a writable buffer of {n} bytes (the spans' total)")
+        value = self._local_get(key)
+        if value is not None:
+            parts = tp.gather(codec.flat_bytes(value).data, todo)
+            out = dst if dst is not None else memoryview(bytearray(n))
+            pos = 0
+            for part in parts:
+                v = memoryview(part).cast("B")
+                out[pos:pos + v.nbytes] = v
+                pos += v.nbytes
+            return out
+        got = self._router.read_spans(key, todo, into=None if dst is None else (lambda meta, k: dst),
+                                      prefer=prefer, skip=self._router.member_id if self._local else None)
+        return None if got is None else memoryview(got.buf).cast("B")
+
+    @property
+    def received_bytes(self) -> int:
+        """Object payload bytes this process has received from members so far (all handles)."""
+        return tp.RECEIVED.value
+
     def pin_host_memory(self) -> None:
         if self._local is not None:
             self._local.pin_host_memory()
+
+    def prefault(self, *values: Value) -> None:
+        """``TieredStore.prefault`` on this node's arena (a no-op for a pure client)."""
+        if self._local is not None:
+            self._local.prefault(*values)
 
     # ---- life cycle --------------------------------------------------------------------
     def close(self, handover: bool = False) -> None:
@@ -453,7 +555,7 @@ class ClusterStore(TieredStore):
         _LIVE.pop(id(self), None)
         if handover and self._node is not None and self._membership is not None:
             self._handover()
-        for part in (self._membership, self._server):
+        for part in (self._mirror, self._membership, self._server):
             if part is not None:
                 try:
                     part.close()

@@ -35,11 +35,11 @@ from typing import Any
 
 from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
     _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
-    MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
+    GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
-    RemoteError, alloc, decode_entries, encode_entries, is_loopback, pack, proof, read_frame, recv_exact,
-    send_parts, split_address)
-from .peer import Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
+    RemoteError, Span, alloc, decode_entries, decode_spans, encode_entries, gather, is_loopback, pack, proof,
+    read_frame, recv_exact, send_parts, spans_nbytes, split_address)
+from .peer import RECEIVED, Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class Server:
 
     def _one(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
         h = self.handler
-        if f.plen and f.op not in (PUT, MPUT) and (f.op not in (HAVE, MGET) or f.plen > MAX_LIST):
+        if f.plen and f.op not in (PUT, MPUT) and (f.op not in (HAVE, MGET, GETV) or f.plen > MAX_LIST):
             raise ProtocolError(f"a {OP_NAMES[f.op]} request with a {f.plen} B body")
         if f.op == MPUT:
             return self._mput(rd, f, out)
@@ -203,6 +203,18 @@ class Server:
                                 flags=got.tier + 1))
                 if view.nbytes:
                     out.append(view)           # sent from the pinned arena view, not copied
+            elif f.op == GETV:
+                req = bytearray(f.plen)
+                rd.readinto(req)
+                spans = decode_spans(req)
+                got = h.get(f._replace(offset=0, length=ALL))
+                if got is None:
+                    out.append(pack(GETV, status=NOT_FOUND))
+                    return
+                parts = gather(got.buf, spans)       # ValueError (a span outside it): ERROR
+                out.append(pack(GETV, meta=got.meta, plen=sum(memoryview(p).nbytes for p in parts),
+                                version=got.version))
+                out.extend(parts)
             elif f.op == DELETE:
                 out.append(pack(DELETE, status=h.delete(f)))
             elif f.op == KEYS:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import cffi
+import numpy as np
 
 from ..errors import YrcacheError
 
@@ -37,9 +38,9 @@ NONCE = 32
 ALL = (1 << 64) - 1             # length of a read that wants the whole object
 
 # ops
-PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET = range(1, 11)
+PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET, GETV = range(1, 12)
 OP_NAMES = {PUT: "put", GET: "get", DELETE: "delete", KEYS: "keys", HAVE: "have", STAT: "stat",
-            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget"}
+            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget", GETV: "getv"}
 MAX_BATCH = 4096                # items in one MPUT/MGET frame
 # flags
 F_REPLICATE = 1                 # put: the receiver forwards the object to the key's other owners
@@ -53,6 +54,9 @@ _ENTRY = struct.Struct("<HQQ")  # a KEYS/HAVE entry: klen, hlc, writer (then the
 _PUT_ITEM = struct.Struct("<HHQQQqd")
 # an MGET reply item: found, mlen, nbytes, hlc, writer (then meta, payload); the request body is keys
 _GOT_ITEM = struct.Struct("<BxHQQQ")
+# a GETV request's span: offset, run, rows, stride (rows runs of run bytes, stride apart)
+SPAN = struct.Struct("<QQQQ")
+MAX_SPANS = MAX_BATCH
 
 
 class ProtocolError(YrcacheError, ConnectionError):
@@ -311,3 +315,42 @@ def decode_entries(body: bytes | bytearray | memoryview) -> list[tuple[str, tupl
 
 SMALL = 1 << 16        # payloads up to this size travel in the same send as their header
 SMALL_REPLY = 1 << 20  # an mget reply up to this size is read in one piece
+
+
+Span = tuple[int, int, int, int]     # offset, run, rows, stride
+
+
+def encode_spans(spans: Iterable[Span]) -> bytes:
+    """``[(offset, run, rows, stride)]`` -> the body of a GETV request."""
+    return b"".join(SPAN.pack(*s) for s in spans)
+
+
+def decode_spans(body: bytes | bytearray | memoryview) -> list[Span]:
+    if len(body) % SPAN.size or len(body) // SPAN.size > MAX_SPANS:
+        raise ProtocolError(f"a getv body of {len(body)} bytes is not 1..{MAX_SPANS} spans")
+    return [SPAN.unpack_from(body, i) for i in range(0, len(body), SPAN.size)]
+
+
+def spans_nbytes(spans: Iterable[Span]) -> int:
+    """How many bytes a ranged read of ``spans`` returns."""
+    return sum(run * rows for _, run, rows, _ in spans)
+
+
+def gather(view: Any, spans: list[Span]) -> list[Any]:
+    """The bytes of ``spans`` of the flat buffer ``view``, in order, as buffers to send:
+    single runs as views (no copy), strided runs gathered into one block each.
+    Raises ``ValueError`` for a span outside the buffer."""
+    src = memoryview(view).cast("B")
+    n = src.nbytes
+    out: list[Any] = []
+    for off, run, rows, stride in spans:
+        if not rows or not run:
+            continue
+        end = off + (rows - 1) * stride + run
+        if end > n or (rows > 1 and stride < run):
+            raise ValueError(f"span ({off}, {run}, {rows}, {stride}) is outside an object of {n} bytes")
+        if rows == 1:
+            out.append(src[off:off + run])
+        else:
+            out.append(np.ndarray((rows, run), np.uint8, src, off, (stride, 1)).copy())
+    return out

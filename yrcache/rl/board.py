@@ -7,8 +7,9 @@ manifests and markers in the store itself (under ``__rl__/<name>/``) and the
 (the newest complete version, advanced by compare-and-set, and the futex that
 wakes every ``wait``) and ``rl/<name>/head`` (the newest version begun).  So
 ``latest()`` is one atomic load and nothing on the wake path scans the store.
-The interface is small on purpose so that the record can move to an etcd key
-(a compare-and-swap transaction, a watch for the wake-up).  ``merge_manifests``
+On a cluster store the two records are shared words (``ClusterStore.shared_word``):
+kept in etcd, raised by a compare-and-swap transaction, and mirrored by each
+node's member into that node's arena word, so ``wait`` still sleeps on a futex.  ``merge_manifests``
 turns the ranks' manifests of one version into the global shape and parts of
 every tensor.
 """
@@ -173,14 +174,14 @@ class VersionBoard:
         shares it) whose value is the newest complete version + 1 and whose
         wake-up counter wakes every ``wait``."""
         if self._word is None:
-            self._word = self.store.word(f"rl/{self.name}")
+            self._word = _record(self.store, f"rl/{self.name}")
         return self._word
 
     @property
     def head_word(self):
         """The newest version a rank has begun, + 1."""
         if self._head is None:
-            self._head = self.store.word(f"rl/{self.name}/head")
+            self._head = _record(self.store, f"rl/{self.name}/head")
         return self._head
 
     def token(self) -> int:
@@ -196,8 +197,18 @@ class VersionBoard:
         self.wake_word.wake()
 
 
+def _record(store, name: str):
+    """A record word: the store's named word, or on a cluster store its shared word (kept
+    in etcd, mirrored into every node's arena word ``name``, so waits stay on a futex)."""
+    shared = getattr(store, "shared_word", None)
+    return shared(name) if shared is not None else store.word(name)
+
+
 def _raise_to(word, value: int) -> None:
     """Set ``word.value`` to ``value`` unless it is already as high (compare-and-set)."""
+    if hasattr(word, "raise_to"):        # a cluster's shared word: one etcd transaction
+        word.raise_to(value)
+        return
     while True:
         cur = word.value
         if cur >= value or word.cas(cur, value):

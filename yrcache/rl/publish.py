@@ -199,6 +199,8 @@ class WeightPublisher:
         self.board.begin(version, self.rank, self.world)
         nonce = uuid.uuid4().hex[:12]
         tensors, written, nbytes = {}, [], 0
+        owners_of = getattr(self.store, "owners", None)
+        placement: dict[str, list[str]] = {}
         try:
             for t, src, dim in sources:
                 entry = {"kind": src.kind, "dtype": src.dtype, "shape": list(src.shape), "dim": dim,
@@ -208,10 +210,12 @@ class WeightPublisher:
                     self.store.put_with(key, src.meta, src.nbytes, _filler(src))
                     written.append(key)
                     entry["key"] = key
+                    if owners_of is not None:      # a cluster: readers go straight to them
+                        placement[t] = owners_of(key)
                     nbytes += src.nbytes
                 tensors[t] = entry
             manifest = {"format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
-                        "world": self.world, "nonce": nonce, "tensors": tensors}
+                        "world": self.world, "nonce": nonce, "tensors": tensors, "placement": placement}
             self.board.record_rank(version, self.rank, manifest)
         except BaseException:
             for k in written:
@@ -277,7 +281,8 @@ class WeightPublisher:
             return False
         info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
         self.board.complete(version, {"format": FORMAT, "version": version, "world": self.world,
-                                      "keep": self.keep, "nonces": [m["nonce"] for m in manifests]},
+                                      "keep": self.keep, "nonces": [m["nonce"] for m in manifests],
+                                      "placement": [m.get("placement", {}) for m in manifests]},
                             encode_structure(info), wake=False)
         self._woke_nobody = True
         self._reclaim()

@@ -20,6 +20,7 @@ from .. import codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
+from .remote import PartsUnavailable, drop_older, fetch_parts, is_remote, plan_spans
 from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
 
 if TYPE_CHECKING:
@@ -205,6 +206,7 @@ class WeightSubscriber:
         self._pinned = None                         # reused pinned staging bucket (device into=)
         self._prepared = False                      # wait() planned a fetch while idle
         self._lock = threading.Lock()
+        self._cached_version: int | None = None     # newest version this process pulled for its node
 
     def __reduce__(self):
         return (WeightSubscriber, (self.store, self.name))
@@ -386,11 +388,16 @@ class WeightSubscriber:
                              f"{sorted(c.names)[:20]})")
         nonces, part_key = marker["nonces"], self.board.part_key
         keys = [part_key(version, rank, nonces[rank], tensor) for tensor, rank in c.refs]
-        views = self.store.mget(keys)                  # one atomic, pinned snapshot
-        if any(v is None for v in views):
-            raise KeyError(self._gone(version))
-        bufs = [_src_bytes(v) for v in views]
-        if c.needed >= PREFAULT_MIN_BYTES:
+        targets, net = c.targets, {}
+        if is_remote(self.store):                      # parts on other machines: ranged reads
+            views = None
+            targets, bufs, net = self._fetch_remote(c, version, marker, keys)
+        else:
+            views = self.store.mget(keys)              # one atomic, pinned snapshot
+            if any(v is None for v in views):
+                raise KeyError(self._gone(version))
+            bufs = [_src_bytes(v) for v in views]
+        if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
             spans: dict[int, list[int]] = {}
@@ -406,7 +413,7 @@ class WeightSubscriber:
         reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
         stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, f"{self.name} v{version}") as bar:
-            for t in c.targets:
+            for t in targets:
                 out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
                                            into.get(t.name), dtype, stager)
                 copied += t.plan.nbytes
@@ -418,8 +425,30 @@ class WeightSubscriber:
         self.last_fetch_stats = {
             "version": version, "bytes_copied": copied, "bytes_needed": c.needed,
             "bytes_version": c.version_bytes, "parts": len(keys), "targets": len(c.targets),
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, **net}
         return out
+
+    def _fetch_remote(self, c: _Compiled, version: int, marker: dict, keys: list[str]) -> tuple:
+        """The parts over a cluster store: only the spans the plans read (pulled once per
+        node); the targets' plans rewritten to read the packed spans."""
+        spans, remapped = plan_spans(c.targets, len(keys))
+        placement = marker.get("placement") or []
+        prefer = [list(placement[r].get(t, ())) if r < len(placement) else [] for t, r in c.refs]
+        try:
+            bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer)
+        except PartsUnavailable as e:
+            if not self.board.is_complete(version):
+                raise KeyError(self._gone(version)) from None
+            raise PartsUnavailable(
+                f"version {version} of {self.name!r}: part {e.args[0]!r} is on no live member (the "
+                "members holding it died); wait() for a newer version") from None
+        targets = tuple(t._replace(plan=t.plan._replace(ops=tuple(
+            new if packed[t.slots[old[0]]] else old for old, new in zip(t.plan.ops, ops))))
+            for t, ops in zip(c.targets, remapped))
+        if self._cached_version != version:
+            self._cached_version = version
+            drop_older(self.store, self.board, self.name, version)
+        return targets, bufs, net
 
     def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager) -> Any:
         want = None

@@ -1,0 +1,290 @@
+"""RL weight sync across nodes: a real etcd, real ``yrcache node`` members, spawned
+trainer and rollout processes, loopback only.
+
+A "node" is one member process with its own arena (store name); its trainer or
+rollout processes attach to that arena. Which bytes travel is checked against an
+expectation computed here from where the ring put each part, and against the
+transport's own byte counter.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyetcd")
+from cluster_util import ClusterHarness, Etcd, wait_for  # noqa: E402
+
+from yrcache import TieredStore  # noqa: E402
+from yrcache.errors import ClusterUnavailableError  # noqa: E402
+from yrcache.rl import Shard, WeightPublisher, WeightSubscriber  # noqa: E402
+
+SPAWN = mp.get_context("spawn")
+SHAPES = {"a": (12, 18), "b": (7, 30), "bias": (30,)}
+SPLIT = ("a", "b")                   # split on dim 0 over the trainers; "bias" is replicated
+
+
+def reference(name: str, version: int) -> np.ndarray:
+    shape = SHAPES[name]
+    base = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    return base + np.float32(version * 1000 + 100 * sorted(SHAPES).index(name))
+
+
+def trainer_state(rank: int, world: int, version: int) -> dict:
+    state = {n: np.array_split(reference(n, version), world, axis=0)[rank] for n in SPLIT}
+    if rank == 0:
+        state["bias"] = reference("bias", version)
+    return state
+
+
+def rollout_layout(g: int, count: int) -> dict:
+    return {"a": Shard(1, g, count), "b": Shard(1, g, count), "bias": Shard(0, g, count)}
+
+
+def expected_slice(name: str, version: int, g: int, count: int) -> np.ndarray:
+    return np.array_split(reference(name, version), count, axis=0 if name == "bias" else 1)[g]
+
+
+def remote_bytes(store, sub, version: int, g: int, count: int, world: int) -> int:
+    """Bytes of this slice that sit in parts the ring placed on other nodes."""
+    marker = sub.board.completion(version)
+    me = store.member_id
+    total = 0
+    for name in SHAPES:
+        ranks = range(world) if name in SPLIT else [0]
+        for r in ranks:
+            key = sub.board.part_key(version, r, marker["nonces"][r], name)
+            if store.owners(key)[0] == me:
+                continue
+            if name == "bias":
+                total += len(np.array_split(np.arange(30), count)[g]) * 4
+            else:
+                rows = np.array_split(np.arange(SHAPES[name][0]), world)[r].size
+                cols = np.array_split(np.arange(SHAPES[name][1]), count)[g].size
+                total += rows * cols * 4
+    return total
+
+
+def open_store(url: str, node: str, replicas: int = 1) -> TieredStore:
+    return TieredStore(node, cluster=url, replicas=replicas, lease_ttl=2.0)
+
+
+# ---- processes -----------------------------------------------------------------------
+def trainer(url, node, rank, world, versions, barrier, out, replicas=1):
+    try:
+        with open_store(url, node, replicas) as s:
+            pub = WeightPublisher(s, "policy", rank=rank, world=world, keep=2)
+            for v in versions:
+                pub.publish(trainer_state(rank, world, v), version=v,
+                            layout={n: Shard(0, rank, world) for n in SPLIT})
+                barrier.wait(60)
+        out.put(("trainer", rank, "ok"))
+    except BaseException:
+        out.put(("trainer", rank, traceback.format_exc()))
+
+
+def rollout(url, node, g, count, world, versions, barrier, out, start=None):
+    try:
+        with open_store(url, node) as s:
+            sub = WeightSubscriber(s, "policy")
+            prev = None
+            for v in versions:
+                got = sub.wait(newer_than=prev, timeout=60)
+                assert got == v, (got, v)
+                if start is not None:
+                    start.wait(60)            # fetch together with the node's other process
+                before = s.received_bytes
+                res = sub.fetch(v, layout=rollout_layout(g, count))
+                recv = s.received_bytes - before
+                for name in SHAPES:
+                    np.testing.assert_array_equal(res[name], expected_slice(name, v, g, count), err_msg=name)
+                st = dict(sub.last_fetch_stats, received=recv,
+                          remote=remote_bytes(s, sub, v, g, count, world))
+                out.put(("rollout", g, node, v, st))
+                prev = v
+                if barrier is not None:
+                    barrier.wait(60)
+        out.put(("rollout", g, "ok"))
+    except BaseException:
+        out.put(("rollout", g, traceback.format_exc()))
+
+
+def collect(out, procs, timeout=120):
+    """Every message until all processes ended; raise with a child's traceback."""
+    msgs, end = [], time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) or not out.empty():
+        try:
+            m = out.get(timeout=0.5)
+        except queue.Empty:
+            assert time.monotonic() < end, "processes did not finish"
+            continue
+        if m[-1] != "ok" and isinstance(m[-1], str):
+            for p in procs:
+                p.kill()
+            pytest.fail(f"{m[0]} {m[1]} failed:\n{m[-1]}")
+        msgs.append(m)
+    for p in procs:
+        p.join(10)
+        assert p.exitcode == 0, p.exitcode
+    return msgs
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = Etcd(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def harness(etcd, tmp_path):
+    h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="1")
+    yield h
+    h.close()
+
+
+def url_of(h: ClusterHarness) -> str:
+    return f"etcd://{h.etcd.endpoint}/{h.cluster}"
+
+
+# ---- the issue's scenario ------------------------------------------------------------
+def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
+    t0, t1, r0, r1, r2 = harness.start(5)
+    url, versions, count = url_of(harness), list(range(1, 6)), 6
+    barrier, out = SPAWN.Barrier(2 + count), SPAWN.Queue()
+    procs = [SPAWN.Process(target=trainer, args=(url, n.name, r, 2, versions, barrier, out))
+             for r, n in enumerate((t0, t1))]
+    nodes = [r0, r0, r1, r1, r2, r2]
+    procs += [SPAWN.Process(target=rollout, args=(url, nodes[g].name, g, count, 2, versions, barrier, out))
+              for g in range(count)]
+    for p in procs:
+        p.start()
+    msgs = collect(out, procs)
+    fetched = [m for m in msgs if m[0] == "rollout" and len(m) == 5]
+    assert len(fetched) == count * len(versions)          # every slice of every version, verified
+    per_node: dict[tuple[str, int], list[dict]] = {}
+    for _, g, node, v, st in fetched:
+        assert st["bytes_network"] == st["remote"], st                # only the needed remote bytes
+        assert st["bytes_network"] + st["bytes_local"] == st["bytes_needed"], st
+        assert st["bytes_node_cache"] == 0                           # slices differ: nothing shared
+        assert st["bytes_needed"] < st["bytes_version"] / 4
+        # the transport saw the parts' bytes and at most the small completion marker besides
+        assert st["bytes_network"] <= st["received"] <= st["bytes_network"] + 8192, st
+        per_node.setdefault((node, v), []).append(st)
+    for sts in per_node.values():      # a node's traffic is the union of its processes' ranges
+        assert sum(s["bytes_network"] for s in sts) == sum(s["remote"] for s in sts)
+    assert sum(s["bytes_network"] for sts in per_node.values() for s in sts) > 0   # parts did travel
+
+
+def test_processes_of_a_node_pull_a_shared_slice_once(harness):
+    t0, r0, _other = harness.start(3)
+    url = url_of(harness)
+    out, start, one = SPAWN.Queue(), SPAWN.Barrier(2), SPAWN.Barrier(1)   # (kept referenced)
+    pub = SPAWN.Process(target=trainer, args=(url, t0.name, 0, 1, [1], one, out))
+    pub.start()
+    assert collect(out, [pub]) == [("trainer", 0, "ok")]
+    procs = [SPAWN.Process(target=rollout, args=(url, r0.name, 1, 3, 1, [1], None, out, start)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    sts = [m[-1] for m in collect(out, procs) if len(m) == 5]
+    assert len(sts) == 2
+    remote = sts[0]["remote"]
+    assert remote > 0
+    assert sum(s["bytes_network"] for s in sts) == remote                 # crossed the network once
+    assert sum(s["bytes_node_cache"] for s in sts) == remote              # the other read it zero-copy
+    assert sum(s["received"] for s in sts) <= remote + 2 * 8192           # the transport agrees
+    for s in sts:
+        assert s["bytes_network"] + s["bytes_node_cache"] + s["bytes_local"] == s["bytes_needed"]
+
+
+# ---- failures --------------------------------------------------------------------------
+def test_wake_crosses_nodes_and_the_record_lives_in_etcd(harness, etcd):
+    t0, r0 = harness.start(2)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        raw, _ = etcd.client().get(f"/yrcache/{harness.cluster}/words/rl/policy")
+        assert int(raw) == 2                                   # newest complete version + 1
+        seen = sub.board.token()
+        t = time.monotonic()
+        pub.publish(trainer_state(0, 1, 2), version=2)
+        assert sub.board.wait_change(seen, 10)                 # a futex woken by r0's member
+        assert time.monotonic() - t < 5 and sub.latest() == 2
+
+
+def test_etcd_restart_between_versions(harness, etcd):
+    t0, r0, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        etcd.kill()
+        etcd.start()
+        pub.publish(trainer_state(0, 1, 2), version=2)          # the record's transaction retries
+        assert sub.wait(newer_than=1, timeout=20) == 2          # r0's watch was armed again
+        res = sub.fetch(2, layout=rollout_layout(2, 3))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 2, 3))
+
+
+def test_a_trainer_node_dying_mid_publish_leaves_the_previous_version(tmp_path, etcd):
+    with ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2") as h:
+        t0, t1, r0, _ = h.start(4)
+        url = url_of(h)
+        stores = [open_store(url, n.name, 2) for n in (t0, r0)]
+        ts, rs = stores
+        try:
+            p0 = WeightPublisher(ts, "policy", rank=0, world=2)
+            out, one = SPAWN.Queue(), SPAWN.Barrier(1)
+            p1 = SPAWN.Process(target=trainer, args=(url, t1.name, 1, 2, [1], one, out, 2))
+            p1.start()
+            p0.publish(trainer_state(0, 2, 1), version=1, layout={n: Shard(0, 0, 2) for n in SPLIT})
+            collect(out, [p1])
+            sub = WeightSubscriber(rs, "policy")
+            assert sub.wait(timeout=10) == 1
+            # version 2: rank 0 publishes, then rank 1's node dies before rank 1 does
+            assert not p0.publish(trainer_state(0, 2, 2), version=2, layout={n: Shard(0, 0, 2) for n in SPLIT})
+            t1.sigkill()
+            with pytest.raises(TimeoutError):
+                sub.wait(newer_than=1, timeout=1.0)            # the unfinished version stays invisible
+            with pytest.raises(KeyError, match="not complete"):
+                sub.fetch(2)
+            wait_for(lambda: t1.member_id not in rs._router.members, 15, "the dead member's lease expired")
+            res = sub.fetch(1, layout=rollout_layout(0, 2))   # still whole, from the other copies
+            for name in SHAPES:
+                np.testing.assert_array_equal(res[name], expected_slice(name, 1, 0, 2))
+        finally:
+            for s in stores:
+                s.close()
+
+
+def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version_works(harness):
+    t0, r0, x1, x2 = harness.start(4)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        marker = sub.board.completion(1)
+        keys = [sub.board.part_key(1, 0, marker["nonces"][0], n) for n in SHAPES]
+        holders = {rs.owners(k)[0] for k in keys}
+        victim = next((n for n in (x1, x2) if n.member_id in holders), None)
+        assert victim is not None, holders     # with 3 other members, some part is on x1 or x2
+        victim.sigkill()
+        with pytest.raises((KeyError, ClusterUnavailableError), match="no live member|answered|died"):
+            sub.fetch(1)                        # never wrong bytes
+        wait_for(lambda: victim.member_id not in rs._router.members, 15, "the dead member's lease expired")
+        pub.publish(trainer_state(0, 1, 2), version=2)
+        assert sub.wait(newer_than=1, timeout=10) == 2
+        res = sub.fetch(2, layout=rollout_layout(1, 2))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 1, 2))

@@ -1,0 +1,173 @@
+"""Fetching a version's parts over a cluster store: ranged reads, pulled once per node.
+
+On an embedded store a fetch reads its slices out of pinned views of whole parts.
+On a cluster store (one with ``read_ranges``) a part may sit on another machine,
+so for each part the fetch asks only for the byte spans its plan reads (read
+amplification 1.00), several owners in parallel, and the plan then reads the
+packed bytes. The received bytes land in the node's arena
+(``ClusterStore.node_store``) under a key named after the part and the spans, so
+another process of the node fetching the same slice of the same version reads
+them zero-copy instead of pulling them again (versioned keys are immutable: no
+invalidation); a per-key node lock makes the first fetcher pull while the others
+wait for it. Parts this node holds itself are read in place, no copy, no network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .. import codec
+from ..errors import StoreFullError
+
+#: Keys of a node's own arena that hold fetched weight bytes (``ClusterStore.node_store``).
+NODE_CACHE = "__node__/rl/"
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-rl-fetch"))
+    return _POOL[0]
+
+
+def is_remote(store: Any) -> bool:
+    """Whether ``store`` is a cluster store (its parts may live on other machines)."""
+    return hasattr(store, "read_ranges")
+
+
+class PartsUnavailable(KeyError):
+    """A part of a complete version is on no live member."""
+
+    def __str__(self) -> str:                      # KeyError would quote the message
+        return str(self.args[0])
+
+
+def plan_spans(targets: tuple, nslots: int) -> tuple[list[list[tuple]], tuple]:
+    """The byte spans each stored part is read in, and the targets' plans rewritten to
+    read those spans packed back to back (``wire.gather``'s order).
+
+    Returns ``(spans per slot, remapped ops per target)``; a remapped op keeps its
+    destination and reads ``rows`` runs of ``run`` bytes at ``packed offset``, ``run``
+    apart.
+    """
+    spans: list[list[tuple]] = [[] for _ in range(nslots)]
+    packed = [0] * nslots
+    ops_out = []
+    for t in targets:
+        ops = []
+        for pid, so, do, run, rows, ss, ds in t.plan.ops:
+            slot = t.slots[pid]
+            spans[slot].append((so, run, rows, ss if rows > 1 else run))
+            ops.append((pid, packed[slot], do, run, rows, run, ds))
+            packed[slot] += run * rows
+        ops_out.append(tuple(ops))
+    return spans, tuple(ops_out)
+
+
+def cache_key(name: str, version: int, part: str, spans: list[tuple]) -> str:
+    digest = hashlib.blake2b(repr((part, spans)).encode(), digest_size=16).hexdigest()
+    return f"{NODE_CACHE}{name}/{version:020d}/{digest}"
+
+
+class _Pull:
+    """Where one part's bytes come from in this fetch, and the buffer they end up in."""
+
+    __slots__ = ("slot", "key", "spans", "prefer", "buf", "packed", "how", "nbytes")
+
+    def __init__(self, slot: int, key: str, spans: list[tuple], prefer: list[str]):
+        self.slot, self.key, self.spans, self.prefer = slot, key, spans, prefer
+        self.buf: Any = None
+        self.packed = True
+        self.how = ""
+        self.nbytes = sum(run * rows for _, run, rows, _ in spans)
+
+
+def fetch_parts(store: Any, name: str, version: int, keys: list[str], spans: list[list[tuple]],
+                prefer: list[list[str]]) -> tuple[list[Any], list[bool], dict[str, int]]:
+    """Each part's bytes for this fetch: ``(buffers, packed?, byte counts)``.
+
+    A buffer is the whole part (``packed`` False: this node holds it) or the packed
+    spans. Byte counts: ``bytes_network`` (pulled by this process), ``bytes_node_cache``
+    (landed by another process of the node), ``bytes_local`` (read from parts this
+    node holds). Raises ``PartsUnavailable`` for a part no live member holds.
+    """
+    node = store.node_store
+    pulls = [_Pull(i, k, sp, pf) for i, (k, sp, pf) in enumerate(zip(keys, spans, prefer))]
+    todo = []
+    for p in pulls:
+        local = node.get(p.key) if node is not None else None
+        if local is not None:
+            p.buf, p.packed, p.how = _flat(local), False, "local"
+        else:
+            todo.append(p)
+    if len(todo) == 1:
+        _pull(store, node, name, version, todo[0])
+    elif todo:
+        for f in [_pool().submit(_pull, store, node, name, version, p) for p in todo]:
+            f.result()
+    counts = {"bytes_network": 0, "bytes_node_cache": 0, "bytes_local": 0}
+    for p in pulls:
+        counts[f"bytes_{p.how}"] += p.nbytes
+    return [p.buf for p in pulls], [p.packed for p in pulls], counts
+
+
+def _flat(value: Any) -> np.ndarray:
+    flat = codec.flat_bytes(value)
+    return flat if isinstance(flat, np.ndarray) else np.frombuffer(flat, np.uint8)
+
+
+def _pull(store: Any, node: Any, name: str, version: int, p: _Pull) -> None:
+    if not p.nbytes:
+        p.buf, p.how = np.empty(0, np.uint8), "network"
+        return
+    if node is None:                               # a pure client: no node to share with
+        p.buf, p.how = _receive(store, p, None), "network"
+        return
+    ck = cache_key(name, version, p.key, p.spans)
+    with node.node_lock(ck):                       # the node's first fetcher pulls, the rest wait
+        cached = node.get(ck)
+        if cached is None:
+            try:
+                node.put_with(ck, codec.array_meta(np.dtype(np.uint8), (p.nbytes,)), p.nbytes,
+                              lambda u8: _receive(store, p, u8))
+                cached = node.get(ck)
+            except (StoreFullError, MemoryError):
+                cached = None
+            if cached is None:                     # no room in the node's arena: keep it private
+                p.buf, p.how = _receive(store, p, None), "network"
+                return
+            p.how = "network"
+        else:
+            p.how = "node_cache"
+    p.buf = _flat(cached)
+
+
+def _receive(store: Any, p: _Pull, into: Any) -> Any:
+    got = store.read_ranges(p.key, p.spans, into=into, prefer=p.prefer)
+    if got is None:
+        raise PartsUnavailable(p.key)
+    return np.frombuffer(got, np.uint8) if into is None else into
+
+
+def drop_older(store: Any, board: Any, name: str, version: int) -> None:
+    """Free the node's cached bytes of versions older than ``version`` that are no longer
+    complete (retired by the publishers' ``keep``)."""
+    node = store.node_store
+    if node is None:
+        return
+    pre = f"{NODE_CACHE}{name}/"
+    gone: dict[int, bool] = {}
+    for k in list(node.keys(prefix=pre)):
+        try:
+            v = int(k[len(pre):len(pre) + 20])
+        except ValueError:
+            continue
+        if v < version:
+            if v not in gone:
+                gone[v] = not board.is_complete(v)
+            if gone[v]:
+                node.delete(k)
