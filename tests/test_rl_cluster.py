@@ -288,3 +288,51 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
         res = sub.fetch(2, layout=rollout_layout(1, 2))
         for name in SHAPES:
             np.testing.assert_array_equal(res[name], expected_slice(name, 2, 1, 2))
+
+
+# ---- ranged reads (the data plane under the fetch) -----------------------------------------
+def test_read_ranges_returns_only_the_spans_and_refuses_bad_ones(harness):
+    from yrcache.cluster import transport as tp
+
+    nodes = harness.start(2)
+    url = url_of(harness)
+    data = np.arange(64 * 100, dtype=np.uint8).reshape(64, 100) * 3
+    with open_store(url, nodes[0].name) as s, harness.client(replicas=1) as c:
+        harness.wait_members(c, 2)
+        s["m"] = data
+        spans = [(5, 10, 1, 10), (200, 7, 20, 100)]       # a run, then 20 rows of a 7-byte column
+        want = np.concatenate([data.reshape(-1)[5:15], data[2:22, 0:7].reshape(-1)])
+        for store in (s, c):                               # local arena / over the network
+            before = store.received_bytes
+            got = store.read_ranges("m", spans)
+            np.testing.assert_array_equal(np.frombuffer(got, np.uint8), want)
+            into = bytearray(want.nbytes)
+            store.read_ranges("m", spans, into=into)
+            assert bytes(into) == want.tobytes()
+            if store is c:
+                assert store.received_bytes - before == 2 * want.nbytes      # the spans, nothing more
+        assert c.read_ranges("missing", spans) is None
+        with pytest.raises(ValueError, match="writable buffer of 150 bytes"):
+            c.read_ranges("m", spans, into=bytearray(10))
+        with pytest.raises(ValueError, match="tuples of ints >= 0"):
+            c.read_ranges("m", [(-1, 2, 1, 2)])
+        with pytest.raises(ValueError, match="outside an object"):
+            s.read_ranges("m", [(6390, 20, 1, 20)])        # past the end, served locally
+        owner = next(n for n in nodes if n.member_id == c.owners("m")[0])
+        peer = owner.peer()
+        try:
+            with pytest.raises(tp.RemoteError, match="outside an object"):
+                peer.getv("m", [(0, 50, 2, 10)])           # rows overlapping: refused, not read
+            assert bytes(peer.getv("m", [(0, 4, 1, 4)]).buf) == data.reshape(-1)[:4].tobytes()
+            with pytest.raises(ValueError, match="at most"):   # more spans than a frame may carry
+                peer.getv("m", [(0, 1, 1, 1)] * (tp.MAX_SPANS + 1))
+            # a server that gets one anyway (or a torn span list) drops the connection
+            body = tp.encode_spans([(0, 1, 1, 1)] * (tp.MAX_SPANS + 1))
+            c2 = peer.borrow()
+            c2.sock.sendall(tp.pack(tp.GETV, b"m", plen=len(body)) + body)
+            with pytest.raises(ConnectionError):
+                c2.reply(tp.GETV)
+            c2.sock.close()
+            assert bytes(peer.getv("m", [(1, 2, 1, 2)]).buf) == data.reshape(-1)[1:3].tobytes()
+        finally:
+            peer.close()

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import AuthenticationError, ClusterUnavailableError
 from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
-                   MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
+                   MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
                    STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
                    encode_entries, encode_spans, pack, proof, read_frame, recv_exact, spans_nbytes, split_address)
 
@@ -253,6 +253,8 @@ class Peer:
              timeout: float | None = None) -> Got | None:
         """The bytes of ``spans`` of ``key``'s payload, packed in order (``wire.gather``),
         or None; ``into(meta, n)`` may supply the buffer to receive into."""
+        if len(spans) > MAX_SPANS:
+            raise ValueError(f"a ranged read of {len(spans)} spans (at most {MAX_SPANS})")
         want = spans_nbytes(spans)
         body = encode_spans(spans)
 

@@ -508,8 +508,8 @@ class ClusterStore(TieredStore):
             todo = [(int(o), int(r), int(n), int(st)) for o, r, n, st in spans]
         except (TypeError, ValueError):
             todo = [(-1, 0, 0, 0)]
-        if len(todo) > tp.MAX_BATCH or any(min(sp) < 0 for sp in todo):
-            raise ValueError(f"spans must be at most {tp.MAX_BATCH} (offset, run, rows, stride) "
+        if len(todo) > tp.MAX_SPANS or any(min(sp) < 0 for sp in todo):
+            raise ValueError(f"spans must be at most {tp.MAX_SPANS} (offset, run, rows, stride) "
                              "tuples of ints >= 0")
         n = tp.spans_nbytes(todo)
         dst = None

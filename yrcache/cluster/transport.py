@@ -35,9 +35,9 @@ from typing import Any
 
 from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
     _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
-    GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
+    GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
-    RemoteError, Span, alloc, decode_entries, decode_spans, encode_entries, gather, is_loopback, pack, proof,
+    RemoteError, Span, alloc, decode_entries, decode_spans, encode_entries, encode_spans, gather, is_loopback, pack, proof,
     read_frame, recv_exact, send_parts, spans_nbytes, split_address)
 from .peer import RECEIVED, Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 

@@ -25,6 +25,7 @@ from ..errors import StoreFullError
 
 #: Keys of a node's own arena that hold fetched weight bytes (``ClusterStore.node_store``).
 NODE_CACHE = "__node__/rl/"
+SPANS_PER_READ = 4096          # (wire.MAX_SPANS)
 _POOL: list[ThreadPoolExecutor] = []
 
 
@@ -147,10 +148,15 @@ def _pull(store: Any, node: Any, name: str, version: int, p: _Pull) -> None:
 
 
 def _receive(store: Any, p: _Pull, into: Any) -> Any:
-    got = store.read_ranges(p.key, p.spans, into=into, prefer=p.prefer)
-    if got is None:
-        raise PartsUnavailable(p.key)
-    return np.frombuffer(got, np.uint8) if into is None else into
+    dst = np.empty(p.nbytes, np.uint8) if into is None else into
+    pos = 0
+    for i in range(0, len(p.spans), SPANS_PER_READ):      # a frame carries at most so many
+        chunk = p.spans[i:i + SPANS_PER_READ]
+        n = sum(run * rows for _, run, rows, _ in chunk)
+        if store.read_ranges(p.key, chunk, into=dst[pos:pos + n], prefer=p.prefer) is None:
+            raise PartsUnavailable(p.key)
+        pos += n
+    return dst
 
 
 def drop_older(store: Any, board: Any, name: str, version: int) -> None:
