@@ -169,7 +169,7 @@ def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
     fetched = [m for m in msgs if m[0] == "rollout" and len(m) == 5]
     assert len(fetched) == count * len(versions)          # every slice of every version, verified
     per_node: dict[tuple[str, int], list[dict]] = {}
-    for _, g, node, v, st in fetched:
+    for _, _g, node, v, st in fetched:
         assert st["bytes_network"] == st["remote"], st                # only the needed remote bytes
         assert st["bytes_network"] + st["bytes_local"] == st["bytes_needed"], st
         assert st["bytes_node_cache"] == 0                           # slices differ: nothing shared
@@ -201,6 +201,15 @@ def test_processes_of_a_node_pull_a_shared_slice_once(harness):
     assert sum(s["received"] for s in sts) <= remote + 2 * 8192           # the transport agrees
     for s in sts:
         assert s["bytes_network"] + s["bytes_node_cache"] + s["bytes_local"] == s["bytes_needed"]
+    # the landed spans are the node's own objects: the member never lists (so never moves) them
+    from yrcache.cluster.store import ClusterStore
+    from yrcache.rl.remote import NODE_CACHE
+
+    assert NODE_CACHE.startswith(ClusterStore.NODE_PREFIX)
+    with open_store(url, r0.name) as s:
+        assert any(k.startswith(NODE_CACHE) for k in s.node_store.keys())
+        assert not any(k.startswith(ClusterStore.NODE_PREFIX) for k in s.keys())
+        assert not any(k.startswith(ClusterStore.NODE_PREFIX) for k in r0.keys())
 
 
 # ---- failures --------------------------------------------------------------------------

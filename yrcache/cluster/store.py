@@ -88,6 +88,10 @@ class ClusterStore(TieredStore):
     (another process of this machine does) or ``"client"`` (``member=False``).
     """
 
+    #: Keys of ``node_store`` under this prefix are the node's own: never listed, forwarded
+    #: or rebalanced by the member.
+    NODE_PREFIX = NODE_PREFIX
+
     def __init__(self, name: str | None = None, *, cluster: str | None = None, listen: str | None = None,
                  replicas: int | None = None, write_mode: WriteMode | str | None = None,
                  member: bool | None = None, token: str | None = None, lease_ttl: float | None = None,

@@ -183,8 +183,11 @@ class WeightSubscriber:
     ``last_fetch_stats`` describes the latest ``fetch``: ``bytes_copied`` (out
     of the arena), ``bytes_needed`` (the result, in the stored dtype; equal
     unless something is wrong), ``bytes_version`` (all stored bytes of the
-    version), ``parts``, ``targets`` and ``seconds``.  A subscriber pickles
-    as its store's name and its weight set's name.
+    version), ``parts``, ``targets`` and ``seconds``; over a cluster store also
+    ``bytes_network`` (pulled by this process), ``bytes_node_cache`` (landed
+    in the node's arena by another of its processes) and ``bytes_local``
+    (parts this node holds), which add up to ``bytes_needed``.  A subscriber
+    pickles as its store's name and its weight set's name.
 
     Examples:
         >>> import numpy as np
