@@ -321,6 +321,11 @@ def test_read_ranges_returns_only_the_spans_and_refuses_bad_ones(harness):
             if store is c:
                 assert store.received_bytes - before == 2 * want.nbytes      # the spans, nothing more
         assert c.read_ranges("missing", spans) is None
+        for store in (s, c):                               # the stored bytes, without decoding
+            meta, raw = store.get_raw("m")
+            assert bytes(raw) == data.tobytes() and raw.readonly and meta[:1] == b"N"
+        assert c.get_raw("missing") is None
+        s.check()                                          # this node's arena is consistent
         with pytest.raises(ValueError, match="writable buffer of 150 bytes"):
             c.read_ranges("m", spans, into=bytearray(10))
         with pytest.raises(ValueError, match="tuples of ints >= 0"):

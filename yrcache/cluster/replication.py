@@ -381,6 +381,8 @@ class Router:
                 else:
                     peer = self.peer(m)
                     got = peer.getv(key, spans, into=into) if peer is not None else None
+            except tp.RemoteError as e:       # it refused the spans (outside the object)
+                raise ValueError(f"read of {key!r} from member {m}: {e}") from None
             except ClusterUnavailableError as e:
                 errors.append(f"{m}: {e}")
                 continue

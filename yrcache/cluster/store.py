@@ -35,6 +35,7 @@ from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
 from .records import Mirror, SharedWord
+from .sharing import NodeSharing
 from .replication import Router, check_wire_meta, decode
 
 log = logging.getLogger("yrcache.cluster")
@@ -77,7 +78,7 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
-class ClusterStore(TieredStore):
+class ClusterStore(NodeSharing, TieredStore):
     """A :class:`~yrcache.TieredStore` whose keys live on an etcd-coordinated cluster.
 
     It overrides the operations that touch data (``put``, ``get``, ``delete``,
@@ -367,6 +368,26 @@ class ClusterStore(TieredStore):
                     out[i] = codec.private_copy(v) if copy else v
         return out
 
+    def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
+        """``(meta, payload)`` of ``key`` as stored (see ``TieredStore.get_raw``): this
+        node's pinned copy when it holds one, else received from an owner."""
+        self._check_open()
+        key_bytes(key)
+        if self._local is not None and self._local_get(key) is not None:
+            got = self._local.get_raw(key)
+            if got is not None:
+                return got
+        g = self._router.read(key, skip=self._router.member_id if self._local is not None else None)
+        if g is None:
+            return None
+        return g.meta, memoryview(g.buf).cast("B").toreadonly()
+
+    def check(self) -> None:
+        """``TieredStore.check`` on this node's arena (the other members check their own)."""
+        self._check_open()
+        if self._local is not None:
+            self._local.check()
+
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
@@ -467,78 +488,6 @@ class ClusterStore(TieredStore):
         if self._local is None:
             raise NotImplementedError("a pure cluster client (member=False) has no local words")
         return self._local.word(name)
-
-    # ---- node-level sharing (yrcache.rl across nodes) ----------------------------------
-    def shared_word(self, name: str) -> SharedWord:
-        """The cluster-wide rising counter ``name``: kept in etcd, raised by compare-and-swap
-        (``raise_to``), and mirrored by every node's member into that node's arena word
-        ``name``, so ``wait`` sleeps on a local futex and wakes when any node raises it."""
-        self._check_open()
-        if self._local is None or self._membership is None:
-            raise NotImplementedError("a pure cluster client (member=False) has no node to mirror "
-                                      "shared words into; attach to a node (YRCACHE_NAME) instead")
-        w = self._shared.get(name)
-        if w is None:
-            w = self._shared[name] = SharedWord(name, self.cluster, self._membership.client(),
-                                                self._local.word(name))
-        return w
-
-    @property
-    def node_store(self) -> TieredStore | None:
-        """This machine's arena as an embedded store (None for a pure client): what is put
-        there stays on this node, unreplicated and unversioned, for the node's processes
-        to share (``yrcache.rl`` lands fetched weights there once per node). Use keys
-        under ``NODE_PREFIX`` (``"__node__/"``): cluster key listings and rebalancing
-        skip them, and a restarted member starts without them."""
-        return self._local
-
-    def owners(self, key: str) -> list[str]:
-        """The member ids that own ``key`` now (the ring's answer, first owner first)."""
-        key_bytes(key)
-        return list(self._router.owners(key))
-
-    def read_ranges(self, key: str, spans: Iterable[tuple[int, int, int, int]], *, into: Any = None,
-                    prefer: Iterable[str] = ()) -> Any:
-        """Only the bytes of ``spans`` of ``key``'s payload, packed in order, or None.
-
-        A span ``(offset, run, rows, stride)`` is ``rows`` runs of ``run`` bytes, ``stride``
-        apart. Served from this node's arena when it holds the key, else asked of the
-        members in ``prefer`` first, then the owners; only the requested bytes travel,
-        received straight into ``into`` (a writable buffer of the packed size) when given.
-        Raises ``ClusterUnavailableError`` when no member that could hold it answers."""
-        self._check_open()
-        key_bytes(key)
-        try:
-            todo = [(int(o), int(r), int(n), int(st)) for o, r, n, st in spans]
-        except (TypeError, ValueError):
-            todo = [(-1, 0, 0, 0)]
-        if len(todo) > tp.MAX_SPANS or any(min(sp) < 0 for sp in todo):
-            raise ValueError(f"spans must be at most {tp.MAX_SPANS} (offset, run, rows, stride) "
-                             "tuples of ints >= 0")
-        n = tp.spans_nbytes(todo)
-        dst = None
-        if into is not None:
-            dst = memoryview(into).cast("B")
-            if dst.readonly or dst.nbytes != n:
-                raise ValueError(f"into must be a writable buffer of {n} bytes (the spans' total)")
-        value = self._local_get(key)
-        if value is not None:
-            parts = tp.gather(codec.flat_bytes(value).data, todo)
-            out = dst if dst is not None else memoryview(bytearray(n))
-            pos = 0
-            for part in parts:
-                v = memoryview(part).cast("B")
-                out[pos:pos + v.nbytes] = v
-                pos += v.nbytes
-            return out
-        got = self._router.read_spans(key, todo, into=None if dst is None else (lambda meta, k: dst),
-                                      prefer=prefer, skip=self._router.member_id if self._local else None)
-        return None if got is None else memoryview(got.buf).cast("B")
-
-    @property
-    def received_bytes(self) -> int:
-        """Object payload bytes this process has received from members so far (all handles)."""
-        return tp.RECEIVED.value
 
     def pin_host_memory(self) -> None:
         if self._local is not None:
