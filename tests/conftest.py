@@ -56,3 +56,14 @@ def _no_leftover_children():
         p.kill()
         p.join(5)
         pytest.fail(f"test left a child process running: {p}")
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    """A fresh etcd on free loopback ports for one cluster test (tests/cluster_util.py)."""
+    from cluster_util import Etcd
+
+    server = Etcd(tmp_path / "etcd-data")
+    server.start()
+    yield server
+    server.kill()

@@ -29,14 +29,6 @@ from yrcache.errors import AuthenticationError, ClusterUnavailableError  # noqa:
 
 
 @pytest.fixture
-def etcd(tmp_path):
-    server = Etcd(tmp_path / "etcd-data")
-    server.start()
-    yield server
-    server.kill()
-
-
-@pytest.fixture
 def harness(etcd, tmp_path):
     h = ClusterHarness(etcd, tmp_path)
     yield h

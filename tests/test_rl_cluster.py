@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import ClusterHarness, Etcd, wait_for  # noqa: E402
+from cluster_util import ClusterHarness, wait_for  # noqa: E402
 
 from yrcache import TieredStore  # noqa: E402
 from yrcache.errors import ClusterUnavailableError  # noqa: E402
@@ -132,14 +132,6 @@ def collect(out, procs, timeout=120):
         p.join(10)
         assert p.exitcode == 0, p.exitcode
     return msgs
-
-
-@pytest.fixture
-def etcd(tmp_path):
-    server = Etcd(tmp_path / "etcd-data")
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture
