@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from ..errors import ClusterUnavailableError
-from .membership import Membership, check_name
+from .membership import Membership, _pyetcd, check_name
 
 log = logging.getLogger("yrcache.cluster")
 
@@ -38,6 +38,10 @@ def check_word_name(name: object) -> str:
         raise ValueError(f"a shared word's name is a printable str of 1..{MAX_WORD_NAME} bytes without "
                          f"whitespace, got {name!r}")
     return name
+
+
+def _enc(value: int) -> bytes:
+    return b"%020d" % value
 
 
 def raise_local(word: Any, value: int) -> bool:
@@ -139,27 +143,32 @@ class SharedWord:
         raise_local(self.local, value)
         return value
 
+    def _txn(self, compare: Any, value: int) -> bool:
+        tx = _pyetcd().transactions
+        ok, _ = self._etcd(self._client.transaction, [compare], [tx.Put(self.key, _enc(value))], [])
+        return bool(ok)
+
     def cas(self, expected: int, desired: int) -> bool:
         """Set the counter to ``desired`` if etcd holds ``expected`` (0: no value yet)."""
-        c = self._client
-        if expected == 0:
-            ok = self._etcd(c.put_if_not_exists, self.key, str(desired))
-            if not ok:
-                ok = self._etcd(c.replace, self.key, b"0", str(desired).encode())
-        else:
-            ok = self._etcd(c.replace, self.key, str(expected).encode(), str(desired).encode())
+        tx = _pyetcd().transactions
+        ok = self._txn(tx.Value(self.key) == _enc(expected), desired)
+        if not ok and expected == 0:
+            ok = self._txn(tx.Version(self.key) == 0, desired)
         if ok:
             raise_local(self.local, desired)
         else:
             self.read()
-        return bool(ok)
+        return ok
 
     def raise_to(self, value: int) -> None:
-        """Raise the counter to ``value`` unless it is already as high (compare-and-swap)."""
-        while True:
-            cur = self.read()
-            if cur >= value or self.cas(cur, value):
-                return
+        """Raise the counter to ``value`` unless it is already as high: one transaction
+        (values are stored as 20 zero-padded digits, so etcd compares them as numbers)."""
+        tx = _pyetcd().transactions
+        if not self._txn(tx.Value(self.key) < _enc(value), value):
+            # as high already, or no value yet (a missing key compares false)
+            self._txn(tx.Version(self.key) == 0, value)
+            self.read()
+        raise_local(self.local, value)
 
     def __repr__(self) -> str:
         return f"<SharedWord {self.name!r} value={self.value}>"
