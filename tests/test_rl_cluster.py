@@ -342,3 +342,22 @@ def test_read_ranges_returns_only_the_spans_and_refuses_bad_ones(harness):
             assert bytes(peer.getv("m", [(1, 2, 1, 2)]).buf) == data.reshape(-1)[1:3].tobytes()
         finally:
             peer.close()
+
+
+def test_bf16_torch_weights_cross_nodes_and_members_never_import_torch(harness):
+    torch = pytest.importorskip("torch")
+    t0, r0, x = harness.start(3)
+    url = url_of(harness)
+    full = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48) / 7
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish({"w": full, "b": full[0]}, version=3, dtype=torch.bfloat16)
+        assert sub.wait(timeout=10) == 3
+        res = sub.fetch(3, layout={"w": Shard(1, 2, 3), "b": Shard(0, 0, 2)})
+        assert res["w"].dtype == torch.bfloat16
+        assert torch.equal(res["w"], full.to(torch.bfloat16)[:, 32:48])
+        assert torch.equal(res["b"], full[0].to(torch.bfloat16)[:24])
+        # the members stored and served tensors' bytes without loading torch (seconds each)
+        for node in (t0, r0, x):
+            maps = open(f"/proc/{node.proc.pid}/maps").read()
+            assert "libtorch" not in maps, node.name

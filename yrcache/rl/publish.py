@@ -10,6 +10,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -116,6 +117,43 @@ def _filler(src: _Source):
     return fill
 
 
+class _Sends:
+    """Calls run inline (``depth`` 0) or on a few threads, at most ``depth`` in flight."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.pending: list[Future] = []
+
+    def run(self, fn: Any, *args: Any) -> None:
+        if not self.depth:
+            fn(*args)
+            return
+        if len(self.pending) >= self.depth:
+            self.pending.pop(0).result()
+        self.pending.append(_pool().submit(fn, *args))
+
+    def wait(self, raising: bool = True) -> None:
+        """Wait for every call in flight; then raise the first error (if ``raising``)."""
+        pending, self.pending = self.pending, []
+        first: BaseException | None = None
+        for f in pending:
+            try:
+                f.result()
+            except BaseException as e:      # noqa: BLE001 - the others must finish first
+                first = first or e
+        if first is not None and raising:
+            raise first
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="yrcache-rl-publish"))
+    return _POOL[0]
+
+
 class WeightPublisher:
     """Trainer rank ``rank`` of ``world`` publishing versions of the weight set ``name``.
 
@@ -201,23 +239,28 @@ class WeightPublisher:
         tensors, written, nbytes = {}, [], 0
         owners_of = getattr(self.store, "owners", None)
         placement: dict[str, list[str]] = {}
+        # Over a cluster a part goes to its owner over TCP: keep a few in flight (the next
+        # cast overlaps the last send); in one arena, one after the other.
+        sends = _Sends(4 if owners_of is not None else 0)
         try:
             for t, src, dim in sources:
                 entry = {"kind": src.kind, "dtype": src.dtype, "shape": list(src.shape), "dim": dim,
                          "key": None}
                 if dim is not None or self.rank == 0:
                     key = self.board.part_key(version, self.rank, nonce, t)
-                    self.store.put_with(key, src.meta, src.nbytes, _filler(src))
                     written.append(key)
+                    sends.run(self.store.put_with, key, src.meta, src.nbytes, _filler(src))
                     entry["key"] = key
                     if owners_of is not None:      # a cluster: readers go straight to them
                         placement[t] = owners_of(key)
                     nbytes += src.nbytes
                 tensors[t] = entry
+            sends.wait()
             manifest = {"format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
                         "world": self.world, "nonce": nonce, "tensors": tensors, "placement": placement}
             self.board.record_rank(version, self.rank, manifest)
         except BaseException:
+            sends.wait(raising=False)
             for k in written:
                 self.store.delete(k)
             raise
