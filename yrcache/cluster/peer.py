@@ -278,6 +278,14 @@ class Peer:
             return c.reply(DELETE).status == OK
         return self._call(go, timeout)
 
+    def delete_many(self, keys: Sequence[str], version: tuple[int, int],
+                    timeout: float | None = None) -> list[bool]:
+        """Delete several keys, pipelined (every frame out, then every reply)."""
+        def go(c: Conn) -> list[bool]:
+            c.sock.sendall(b"".join(pack(DELETE, k.encode(), version=version) for k in keys))
+            return [c.reply(DELETE).status == OK for _ in keys]
+        return self._call(go, timeout)
+
     def keys(self, prefix: str = "") -> list[tuple[str, tuple[int, int]]]:
         def go(c: Conn) -> list[tuple[str, tuple[int, int]]]:
             c.sock.sendall(pack(KEYS, prefix.encode()))

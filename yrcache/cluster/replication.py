@@ -328,6 +328,30 @@ class Router:
                 pass
         return found
 
+    def delete_many(self, keys: list[str]) -> int:
+        """Delete ``keys`` from every member: one pipelined batch per member, the members in
+        parallel; how many keys some member held."""
+        version = self.clock.next()
+        found = [False] * len(keys)
+
+        def one(m: str) -> list[bool]:
+            node = self.node
+            if node is not None and m == node.member_id:
+                return [node.remove(k, version) == tp.OK for k in keys]
+            peer = self.peer(m)
+            out: list[bool] = []
+            for i in range(0, len(keys), tp.MAX_BATCH):
+                out += peer.delete_many(keys[i:i + tp.MAX_BATCH], version) if peer is not None \
+                    else [False] * len(keys[i:i + tp.MAX_BATCH])
+            return out
+        futures = [_pool().submit(one, m) for m in self._need_members()]
+        for f in futures:
+            try:
+                found = [a or b for a, b in zip(found, f.result())]
+            except ClusterUnavailableError:
+                pass
+        return sum(found)
+
     # -- reads
     def read(self, key: str, offset: int = 0, length: int = tp.ALL, skip: str | None = None,
              into: Callable[[bytes, int], Any] | None = None) -> tp.Got | None:
@@ -350,7 +374,7 @@ class Router:
                 continue
             if got is not None:
                 return got
-        if owners and len(errors) >= len([m for m in owners if m != skip]) > 0:
+        if owners and errors and len(errors) >= len(owners):   # (a skipped owner was asked locally)
             raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
         return None
 

@@ -308,6 +308,17 @@ class ClusterStore(NodeSharing, TieredStore):
         self._ops["deletes"] += found
         return found
 
+    def delete_many(self, keys: Iterable[str]) -> int:
+        """Remove several keys from every member in one pipelined batch per member; how many
+        existed."""
+        self._check_open()
+        keys = list(keys)
+        for k in keys:
+            key_bytes(k)
+        found = self._router.delete_many(keys) if keys else 0
+        self._ops["deletes"] += found
+        return found
+
     # ---- reads -------------------------------------------------------------------------
     def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any:
         """The value of ``key``: zero-copy from this node's arena when it holds one, else

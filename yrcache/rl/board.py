@@ -121,8 +121,12 @@ class VersionBoard:
         is freed when the last view dies.
         """
         self.store.delete(self._complete_key(version))
-        self.store.delete(self._started_key(version))
-        for k in list(self.store.keys(prefix=self.version_prefix(version))):   # its parts and manifests only
+        rest = [self._started_key(version), *self.store.keys(prefix=self.version_prefix(version))]
+        many = getattr(self.store, "delete_many", None)     # a cluster: one batch per member
+        if many is not None:
+            many(rest)
+            return
+        for k in rest:                                      # its parts and manifests only
             self.store.delete(k)
 
     # ------------------------------------------------------------- reading

@@ -159,21 +159,26 @@ def _receive(store: Any, p: _Pull, into: Any) -> Any:
     return dst
 
 
-def drop_older(store: Any, board: Any, name: str, version: int) -> None:
-    """Free the node's cached bytes of versions older than ``version`` that are no longer
-    complete (retired by the publishers' ``keep``)."""
+def drop_older(store: Any, board: Any, name: str, version: int, keep: int) -> None:
+    """Free the node's landed bytes of versions older than ``version`` that the publishers
+    retire (``keep``): those with ``keep`` landed versions in ``(v, version]`` (every
+    landed version was complete, so ``version`` completing retired them), or no longer
+    complete."""
     node = store.node_store
     if node is None:
         return
     pre = f"{NODE_CACHE}{name}/"
-    gone: dict[int, bool] = {}
-    for k in list(node.keys(prefix=pre)):
+    by_version: dict[int, list[str]] = {}
+    for k in node.keys(prefix=pre):
         try:
-            v = int(k[len(pre):len(pre) + 20])
+            by_version.setdefault(int(k[len(pre):len(pre) + 20]), []).append(k)
         except ValueError:
             continue
-        if v < version:
-            if v not in gone:
-                gone[v] = not board.is_complete(v)
-            if gone[v]:
+    landed = sorted(by_version)
+    for v in landed:
+        if v >= version:
+            break
+        newer = sum(1 for u in landed if v < u <= version)
+        if newer >= keep or not board.is_complete(v):
+            for k in by_version[v]:
                 node.delete(k)

@@ -450,7 +450,7 @@ class WeightSubscriber:
             for t, ops in zip(c.targets, remapped))
         if self._cached_version != version:
             self._cached_version = version
-            drop_older(self.store, self.board, self.name, version)
+            drop_older(self.store, self.board, self.name, version, int(marker.get("keep") or 1))
         return targets, bufs, net
 
     def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager) -> Any:
