@@ -393,14 +393,9 @@ class Router:
                 if node is not None and m == node.member_id:
                     got = node.read(key)
                     if got is not None:
-                        parts = tp.gather(got.buf, spans)
-                        n = sum(memoryview(p).nbytes for p in parts)
+                        n = tp.check_spans(memoryview(got.buf).nbytes, spans)
                         buf = into(got.meta, n) if into is not None else tp.alloc(n)
-                        dst, pos = memoryview(buf).cast("B"), 0
-                        for part in parts:
-                            v = memoryview(part).cast("B")
-                            dst[pos:pos + v.nbytes] = v
-                            pos += v.nbytes
+                        tp.gather_into(got.buf, spans, buf)
                         got = tp.Got(got.meta, buf, got.version)
                 else:
                     peer = self.peer(m)

@@ -88,13 +88,8 @@ class NodeSharing:
                 raise ValueError(f"into must be a writable buffer of {n} bytes (the spans' total)")
         value = self._local_get(key)
         if value is not None:
-            parts = tp.gather(codec.flat_bytes(value).data, todo)
             out = dst if dst is not None else memoryview(bytearray(n))
-            pos = 0
-            for part in parts:
-                v = memoryview(part).cast("B")
-                out[pos:pos + v.nbytes] = v
-                pos += v.nbytes
+            tp.gather_into(codec.flat_bytes(value).data, todo, out)
             return out
         got = self._router.read_spans(key, todo, into=None if dst is None else (lambda meta, k: dst),
                                       prefer=prefer, skip=self._router.member_id if self._local else None)

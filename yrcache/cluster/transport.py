@@ -37,7 +37,7 @@ from .wire import (  # noqa: F401  (the wire's names are part of this module's i
     _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
     GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
-    RemoteError, Span, alloc, decode_entries, decode_spans, encode_entries, encode_spans, gather, is_loopback, pack, proof,
+    RemoteError, Span, alloc, check_spans, decode_entries, decode_spans, encode_entries, encode_spans, gather, gather_into, is_loopback, pack, proof,
     read_frame, recv_exact, send_parts, spans_nbytes, split_address)
 from .peer import RECEIVED, Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
@@ -211,10 +211,13 @@ class Server:
                 if got is None:
                     out.append(pack(GETV, status=NOT_FOUND))
                     return
-                parts = gather(got.buf, spans)       # ValueError (a span outside it): ERROR
-                out.append(pack(GETV, meta=got.meta, plen=sum(memoryview(p).nbytes for p in parts),
-                                version=got.version))
-                out.extend(parts)
+                view = memoryview(got.buf).cast("B")
+                total = check_spans(view.nbytes, spans)     # ValueError (outside it): ERROR
+                out.append(pack(GETV, meta=got.meta, plen=total, version=got.version))
+                send_parts(conn, out)
+                out.clear()
+                for part in gather(view, spans):           # one span in memory at a time
+                    conn.sendall(part)
             elif f.op == DELETE:
                 out.append(pack(DELETE, status=h.delete(f)))
             elif f.op == KEYS:

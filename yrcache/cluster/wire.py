@@ -17,7 +17,7 @@ import os
 import socket
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import cffi
@@ -336,21 +336,40 @@ def spans_nbytes(spans: Iterable[Span]) -> int:
     return sum(run * rows for _, run, rows, _ in spans)
 
 
-def gather(view: Any, spans: list[Span]) -> list[Any]:
-    """The bytes of ``spans`` of the flat buffer ``view``, in order, as buffers to send:
-    single runs as views (no copy), strided runs gathered into one block each.
-    Raises ``ValueError`` for a span outside the buffer."""
-    src = memoryview(view).cast("B")
-    n = src.nbytes
-    out: list[Any] = []
+def check_spans(nbytes: int, spans: list[Span]) -> int:
+    """The bytes ``spans`` read from an object of ``nbytes``; ``ValueError`` for a span
+    outside it (or rows that overlap, ``stride < run``)."""
+    total = 0
     for off, run, rows, stride in spans:
         if not rows or not run:
             continue
-        end = off + (rows - 1) * stride + run
-        if end > n or (rows > 1 and stride < run):
-            raise ValueError(f"span ({off}, {run}, {rows}, {stride}) is outside an object of {n} bytes")
+        if off + (rows - 1) * stride + run > nbytes or (rows > 1 and stride < run):
+            raise ValueError(f"span ({off}, {run}, {rows}, {stride}) is outside an object of {nbytes} bytes")
+        total += run * rows
+    return total
+
+
+def gather(view: Any, spans: list[Span]) -> Iterator[Any]:
+    """The bytes of ``spans`` of the flat buffer ``view``, in order, one buffer per span
+    (a run as a view, no copy; strided rows gathered into a block, one at a time, so
+    memory stays bounded whatever the request). Check them first with ``check_spans``."""
+    src = memoryview(view).cast("B")
+    for off, run, rows, stride in spans:
+        if not rows or not run:
+            continue
         if rows == 1:
-            out.append(src[off:off + run])
+            yield src[off:off + run]
         else:
-            out.append(np.ndarray((rows, run), np.uint8, src, off, (stride, 1)).copy())
-    return out
+            yield np.ndarray((rows, run), np.uint8, src, off, (stride, 1)).copy()
+
+
+def gather_into(view: Any, spans: list[Span], dst: Any) -> None:
+    """Copy the bytes of ``spans`` of ``view`` into ``dst`` back to back (checked)."""
+    out = memoryview(dst).cast("B")
+    if check_spans(memoryview(view).nbytes, spans) != out.nbytes:
+        raise ValueError(f"the spans hold {spans_nbytes(spans)} bytes, the destination {out.nbytes}")
+    pos = 0
+    for part in gather(view, spans):
+        v = memoryview(part).cast("B")
+        out[pos:pos + v.nbytes] = v
+        pos += v.nbytes
