@@ -281,3 +281,20 @@ def test_processes_in_other_pid_namespaces_keep_their_views(make_store, store_na
             child.kill()
             child.wait()
     del mine
+
+
+@as_root
+def test_node_lock_refuses_a_segment_that_became_another_users(store_name):
+    """The node lock opens the segment again by name: a file that is no longer ours
+    alone (replaced, or handed to another user) is refused, not locked and waited on."""
+    s = TieredStore(name=store_name, dram="4MiB")
+    try:
+        os.chown(seg_path(store_name), NOBODY, NOBODY)
+        with pytest.raises(UntrustedStoreError, match="owned by uid 65534"):
+            with s.node_lock("k"):
+                pass
+        os.chown(seg_path(store_name), os.geteuid(), os.getegid())
+        with s.node_lock("k"):
+            pass
+    finally:
+        s.destroy()

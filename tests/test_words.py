@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -71,3 +72,49 @@ def test_info_describes_without_reading(make_store, tmp_path):
     assert s.info("missing") is None
     assert s.stats()["hits"] == hits                   # no read counted
     assert s.stats()["pinned_bytes"] == 0
+
+
+# ---- node locks ------------------------------------------------------------------------
+def _hold_lock(name, key, hold):
+    s = TieredStore.attach(name)
+    with s.node_lock(key):
+        s.word("locked").cas(0, 1)
+        s.word("locked").wake()
+        time.sleep(hold)
+    s.close()
+    return "released"
+
+
+def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store, store_name, mp_context):
+    import signal
+
+    from procs import get_report
+
+    s = make_store()
+    w = s.word("locked")
+    seen = w.seq
+    p, q = start(mp_context, _hold_lock, store_name, "part-7", 0.8)
+    while w.value != 1:
+        assert w.wait(seen, 30)
+        seen = w.seq
+    t = time.monotonic()
+    with s.node_lock("part-7"):                  # waits for the child to let go
+        waited = time.monotonic() - t
+    assert waited > 0.3, waited
+    assert get_report(p, q) == "released"
+    p.join(10)
+    with s.node_lock("other"):                   # unrelated keys do not wait (threads may nest)
+        pass
+    # a holder killed while it holds the lock frees it: the kernel drops an OFD lock with its file
+    w.cas(1, 0)
+    seen = w.seq
+    p, q = start(mp_context, _hold_lock, store_name, "part-8", 600)
+    while w.value != 1:
+        assert w.wait(seen, 30)
+        seen = w.seq
+    os.kill(p.pid, signal.SIGKILL)
+    p.join(10)
+    t = time.monotonic()
+    with s.node_lock("part-8"):
+        pass
+    assert time.monotonic() - t < 5

@@ -22,7 +22,7 @@ from .placement import RETRY
 from .errors import YrcacheError
 from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
 from .tiers.dram import TIER_DRAM, Word
-from .tiers.segment import seg_path
+from .tiers.segment import check_trusted, seg_path
 from .types import Value
 from .validate import key_bytes
 
@@ -290,7 +290,13 @@ def _lock_fd(name: str) -> int:
     got = _lock_fds.get(name)
     if got is not None and got[0] == os.getpid():
         return got[1]
-    fd = os.open(seg_path(name), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a forked child's own)
+    path = seg_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a forked child's own)
+    try:
+        check_trusted(os.fstat(fd), path)       # not another user's file under our store's name
+    except BaseException:
+        os.close(fd)
+        raise
     _lock_fds[name] = (os.getpid(), fd)
     return fd
 
