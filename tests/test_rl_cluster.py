@@ -372,3 +372,22 @@ def test_bf16_torch_weights_cross_nodes_and_members_never_import_torch(harness):
         for node in (t0, r0, x):
             maps = open(f"/proc/{node.proc.pid}/maps").read()
             assert "libtorch" not in maps, node.name
+
+
+def test_a_pure_client_subscribes_with_its_own_watch(harness):
+    t0, _, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, harness.client(replicas=1) as c:
+        assert c.role == "client" and c.node_store is None
+        harness.wait_members(c, 3)
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(c, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1                    # the client's own etcd watch
+        seen = sub.board.token()
+        pub.publish(trainer_state(0, 1, 2), version=2)
+        assert sub.board.wait_change(seen, 10) and sub.wait(newer_than=1, timeout=10) == 2
+        res = sub.fetch(2, layout=rollout_layout(0, 3))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 3))
+        st = sub.last_fetch_stats
+        assert st["bytes_network"] == st["bytes_needed"] and st["bytes_local"] == 0   # no arena

@@ -16,6 +16,7 @@ in such a word when the store is a cluster store.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -70,8 +71,49 @@ class WordWatch(Membership):
             return None
 
 
+class ProcessWord:
+    """An arena word's interface over this process's memory (a pure client has no arena)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.seq = 0
+        self._cond = threading.Condition()
+
+    def cas(self, expected: int, desired: int) -> bool:
+        with self._cond:
+            if self.value != expected:
+                return False
+            self.value = desired
+            return True
+
+    def wait(self, seen: int, timeout: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.seq != seen, timeout)
+
+    def wake(self) -> None:
+        with self._cond:
+            self.seq += 1
+            self._cond.notify_all()
+
+
+class ProcessWords:
+    """``word(name)`` for a :class:`Mirror` in a process without an arena."""
+
+    def __init__(self) -> None:
+        self._words: dict[str, ProcessWord] = {}
+        self._lock = threading.Lock()
+
+    def word(self, name: str) -> ProcessWord:
+        with self._lock:
+            w = self._words.get(name)
+            if w is None:
+                w = self._words[name] = ProcessWord()
+            return w
+
+
 class Mirror:
-    """Copies every shared word of the cluster into this node's arena words (member only)."""
+    """Copies every shared word of the cluster into ``local.word(name)``: the node's arena
+    words in a member, a pure client's :class:`ProcessWords` in a client."""
 
     def __init__(self, local: Any, endpoints: str, cluster: str) -> None:
         self.local = local

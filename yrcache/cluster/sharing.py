@@ -5,13 +5,14 @@ across machines is built on them). ``ClusterStore`` inherits them.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
 from ..validate import key_bytes
 from . import transport as tp
-from .records import SharedWord
+from .records import Mirror, ProcessWords, SharedWord
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -29,6 +30,9 @@ class NodeSharing:
         _membership: Membership | None
         _router: Router
         _shared: dict[str, SharedWord]
+        _mirror: Mirror | None
+        _etcd: str
+        _lock: threading.Lock
 
         def _check_open(self) -> None: ...
 
@@ -37,15 +41,21 @@ class NodeSharing:
     def shared_word(self, name: str) -> SharedWord:
         """The cluster-wide rising counter ``name``: kept in etcd, raised by compare-and-swap
         (``raise_to``), and mirrored by every node's member into that node's arena word
-        ``name``, so ``wait`` sleeps on a local futex and wakes when any node raises it."""
+        ``name``, so ``wait`` sleeps on a local futex and wakes when any node raises it.
+        A pure client (no arena) mirrors the words into its own memory, with an etcd
+        watch of its own started on first use."""
         self._check_open()
-        if self._local is None or self._membership is None:
-            raise NotImplementedError("a pure cluster client (member=False) has no node to mirror "
-                                      "shared words into; attach to a node (YRCACHE_NAME) instead")
+        assert self._membership is not None
         w = self._shared.get(name)
         if w is None:
-            w = self._shared[name] = SharedWord(name, self.cluster, self._membership.client(),
-                                                self._local.word(name))
+            if self._local is not None:
+                local = self._local.word(name)
+            else:
+                with self._lock:
+                    if self._mirror is None:
+                        self._mirror = Mirror(ProcessWords(), self._etcd, self.cluster)
+                local = self._mirror.local.word(name)
+            w = self._shared[name] = SharedWord(name, self.cluster, self._membership.client(), local)
         return w
 
     @property

@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 import weakref
@@ -106,7 +107,9 @@ class ClusterStore(NodeSharing, TieredStore):
         self._node: Node | None = None
         self._mirror: Mirror | None = None
         self._shared: dict[str, SharedWord] = {}
+        self._lock = threading.Lock()
         endpoints, self.cluster = parse_cluster(cluster)
+        self._etcd = endpoints
         check_name("cluster name", self.cluster)
         self._args = dict(name=name, cluster=cluster, listen=listen, replicas=replicas, write_mode=write_mode,
                           member=member, token=token, lease_ttl=lease_ttl, pickle=pickle, **local)
