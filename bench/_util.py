@@ -378,6 +378,25 @@ class Child:
         self._cleanup.run_one(self._handle)
 
 
+def stop_children(children: Sequence[Child], grace: float) -> None:
+    """Ask every child to quit at once, give them ``grace`` seconds together, terminate the
+    ones still busy (in a round after an error or an interrupt), then close them all: so
+    stopping many processes takes seconds, not seconds each."""
+    for c in children:
+        try:
+            c.conn.send(("quit",))
+        except (OSError, EOFError, BrokenPipeError):
+            pass
+    deadline = time.monotonic() + grace
+    for c in children:
+        c.proc.join(max(0.0, deadline - time.monotonic()))
+    for c in children:
+        if c.proc.is_alive():
+            c.proc.terminate()
+    for c in children:
+        c.close()           # joins; kills what is still alive; drops the cleanup entry
+
+
 def serve(conn, handlers: dict[str, Callable[..., Any]], on_exit: Callable[[], Any] | None = None) -> None:
     """Request loop for a helper process: ``(op, *args)`` -> ``("ok", result)`` or ``("err", tb)``."""
     child_init()

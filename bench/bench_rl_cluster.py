@@ -672,20 +672,7 @@ class Bench:
                     f"in {time.monotonic() - t0:.1f} s")
 
     def stop_workers(self) -> None:
-        """Ask every worker to quit at once, then terminate the ones that do not."""
-        for w in self.workers:
-            try:
-                w.conn.send(("quit",))
-            except (OSError, EOFError, BrokenPipeError):
-                pass
-        deadline = time.monotonic() + 5.0
-        for w in self.workers:
-            w.proc.join(max(0.0, deadline - time.monotonic()))
-        for w in self.workers:
-            if w.proc.is_alive():
-                w.proc.terminate()
-        for w in self.workers:
-            w.close()
+        U.stop_children(self.workers, 5.0)
 
     # -- one round of one method
     def run_round(self, method: str, version: int, timed: bool) -> dict:

@@ -829,21 +829,7 @@ class Group:
         self.out.setdefault("latency_call_s", []).extend(call_s)
 
     def close(self) -> None:
-        # Ask every worker to quit at once, then terminate the ones that do not (busy in a
-        # round after an error or an interrupt), so that stopping 6 processes takes seconds.
-        for w in self.workers:
-            try:
-                w.conn.send(("quit",))
-            except (OSError, EOFError, BrokenPipeError):
-                pass
-        deadline = time.monotonic() + 3.0
-        for w in self.workers:
-            w.proc.join(max(0.0, deadline - time.monotonic()))
-        for w in self.workers:
-            if w.proc.is_alive():
-                w.proc.terminate()
-        for w in self.workers:
-            w.close()           # joins; kills what is still alive; drops the cleanup entry
+        U.stop_children(self.workers, 3.0)
         if self.owner is not None:
             try:
                 self.out["store_stats"] = self.owner.call("stats", timeout=30)
