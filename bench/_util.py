@@ -11,6 +11,7 @@ import datetime
 import math
 import multiprocessing as mp
 import os
+import resource
 import platform
 import signal
 import statistics
@@ -376,6 +377,20 @@ class Child:
     def close(self) -> None:
         """Stop now and forget the cleanup entry."""
         self._cleanup.run_one(self._handle)
+
+
+def rss_info() -> dict:
+    """This process's peak and current memory (bytes): getrusage and /proc/self/status."""
+    out = {"ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
 
 
 def stop_children(children: Sequence[Child], grace: float) -> None:

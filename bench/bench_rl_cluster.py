@@ -113,7 +113,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -237,17 +236,6 @@ def pattern(tid: int, version: int, r0: int, r1: int, c0: int, c1: int):
     return (rows[:, None] + cols[None, :]).remainder_(251).sub_(125)
 
 
-def rss_info() -> dict:
-    out = {"ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 # --------------------------------------------------------------------- workers
@@ -288,7 +276,7 @@ class Worker:
             self.cols = col_bounds(self.g)
         gc.collect()
         return {"pid": os.getpid(), "threads": torch.get_num_threads(), "setup_s": time.perf_counter() - t0,
-                "rss": rss_info()}
+                "rss": U.rss_info()}
 
     def setup_gloo(self, port: int) -> dict:
         import datetime
@@ -487,7 +475,7 @@ class Worker:
         return rec
 
     def rss(self) -> dict:
-        return rss_info()
+        return U.rss_info()
 
     def node_usage(self) -> list:
         """(member, objects, bytes used) of every member, as the cluster store reports them."""

@@ -222,17 +222,6 @@ def pattern_chunks(box: tuple, tid: int, version: int, chunk: int = 1 << 20):
 
 # -------------------------------------------------------------- process stats
 
-def rss_info() -> dict:
-    out = {"ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
 
 
 def run_delay() -> float:
@@ -304,7 +293,7 @@ class Worker:
         gc.collect()
         self._gc = {"n": 0, "s": 0.0, "t": 0.0}
         gc.callbacks.append(self._gc_cb)
-        info = {"pid": os.getpid(), "rss": rss_info(), "threads": torch.get_num_threads(),
+        info = {"pid": os.getpid(), "rss": U.rss_info(), "threads": torch.get_num_threads(),
                 "setup_s": time.perf_counter() - t0}
         if not self.trainer:
             info["slice_bytes"] = sum(b.numel() * b.element_size() for b in self.bufs.values())
@@ -432,7 +421,7 @@ class Worker:
             s2 = io.StringIO()
             pstats.Stats(prof, stream=s2).sort_stats("tottime").print_stats(15)
             out["profile"] = s.getvalue() + "\n" + s2.getvalue()
-        out["rss"] = rss_info()
+        out["rss"] = U.rss_info()
         return out
 
     def _mark(self) -> None:
@@ -609,7 +598,7 @@ class Worker:
         return times
 
     def rss(self) -> dict:
-        return rss_info()
+        return U.rss_info()
 
     def close(self) -> None:
         if self.dist is not None:
