@@ -600,3 +600,17 @@ class TestClusterStore(StoreSuite):
 
     def test_generic_mapping_protocol(self, store):
         self._refuses(store, "a str value needs pickle")
+
+
+
+def test_a_write_issued_a_round_trip_after_another_handles_write_is_newer():
+    """Versions carry microseconds: a delete sent after another handle's put returned (at
+    least a loopback round trip, ~50 us, later) must win, even within one millisecond;
+    with millisecond versions the random writer id decided, half the time."""
+    from yrcache.cluster.replication import Clock
+
+    for _ in range(40):
+        put_clock, delete_clock = Clock(), Clock()
+        put = put_clock.next()
+        time.sleep(50e-6)
+        assert delete_clock.next() > put

@@ -202,15 +202,19 @@ class SharedWord:
             self.read()
         return ok
 
-    def raise_to(self, value: int) -> None:
+    def raise_to(self, value: int) -> bool:
         """Raise the counter to ``value`` unless it is already as high: one transaction
-        (values are stored as 20 zero-padded digits, so etcd compares them as numbers)."""
+        (values are stored as 20 zero-padded digits, so etcd compares them as numbers).
+        True if this call raised it."""
         tx = _pyetcd().transactions
-        if not self._txn(tx.Value(self.key) < _enc(value), value):
+        raised = self._txn(tx.Value(self.key) < _enc(value), value)
+        if not raised:
             # as high already, or no value yet (a missing key compares false)
-            self._txn(tx.Version(self.key) == 0, value)
-            self.read()
+            raised = self._txn(tx.Version(self.key) == 0, value)
+            if not raised:
+                self.read()
         raise_local(self.local, value)
+        return raised
 
     def __repr__(self) -> str:
         return f"<SharedWord {self.name!r} value={self.value}>"

@@ -99,20 +99,23 @@ class VersionBoard:
                        json.dumps(manifest, separators=(",", ":")).encode())
 
     def complete(self, version: int, marker: dict | None = None, structure: bytes = b"",
-                 wake: bool = True) -> None:
+                 wake: bool = True) -> bool:
         """Make ``version`` visible: write its marker (when given: a JSON header
         line, then the ``structure`` from ``encode_structure``), then advance
         the record (one compare-and-set, no scan), then wake every waiter
         (unless the caller wakes them later, once it has nothing left to do).
         Idempotent: a process that died in between is repaired by the next
         rank that completes the version (or any later one); a lost wake-up
-        delays waiters by at most a second (``wait`` re-reads the record)."""
+        delays waiters by at most a second (``wait`` re-reads the record).
+        True if this call advanced the record (of ranks that complete a version
+        at once, exactly one: it alone retires old versions)."""
         if marker is not None:
             self.store.put(self._complete_key(version),
                            json.dumps(marker, separators=(",", ":")).encode() + b"\n" + structure)
-        _raise_to(self.wake_word, version + 1)
+        advanced = _raise_to(self.wake_word, version + 1)
         if wake:
             self.wake()
+        return advanced
 
     def retire(self, version: int) -> None:
         """Hide ``version`` (marker first), then drop its manifests and parts.
@@ -208,15 +211,17 @@ def _record(store, name: str):
     return shared(name) if shared is not None else store.word(name)
 
 
-def _raise_to(word, value: int) -> None:
-    """Set ``word.value`` to ``value`` unless it is already as high (compare-and-set)."""
+def _raise_to(word, value: int) -> bool:
+    """Set ``word.value`` to ``value`` unless it is already as high (compare-and-set);
+    True if this call raised it."""
     if hasattr(word, "raise_to"):        # a cluster's shared word: one etcd transaction
-        word.raise_to(value)
-        return
+        return word.raise_to(value)
     while True:
         cur = word.value
-        if cur >= value or word.cas(cur, value):
-            return
+        if cur >= value:
+            return False
+        if word.cas(cur, value):
+            return True
 
 
 def encode_structure(info: dict[str, "_Tensor"]) -> bytes:

@@ -315,7 +315,9 @@ class WeightPublisher:
         """If every rank's manifest of ``version`` is there, validate, mark complete and reclaim.
         ``mine``: this rank's manifest of it, when it was just written."""
         if self.board.is_complete(version):
-            self.board.complete(version, wake=False)   # repairs the record if its completer died
+            # Repairs the record if its completer died after the marker; then retire for it.
+            if self.board.complete(version, wake=False):
+                self._reclaim()
             self._woke_nobody = True
             return True
         got = [mine] if mine is not None and self.world == 1 else self.board.rank_manifests(version, self.world)
@@ -323,12 +325,14 @@ class WeightPublisher:
         if len(manifests) < len(got):
             return False
         info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
-        self.board.complete(version, {"format": FORMAT, "version": version, "world": self.world,
-                                      "keep": self.keep, "nonces": [m["nonce"] for m in manifests],
-                                      "placement": [m.get("placement", {}) for m in manifests]},
-                            encode_structure(info), wake=False)
+        advanced = self.board.complete(
+            version, {"format": FORMAT, "version": version, "world": self.world, "keep": self.keep,
+                      "nonces": [m["nonce"] for m in manifests],
+                      "placement": [m.get("placement", {}) for m in manifests]},
+            encode_structure(info), wake=False)
         self._woke_nobody = True
-        self._reclaim()
+        if advanced:          # of ranks completing it at once, one retires (a dead one: the next)
+            self._reclaim()
         return True
 
     def _reclaim(self) -> None:
