@@ -8,6 +8,7 @@ processes with a handshake, and an untracked ``SharedMemory`` for baselines.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import multiprocessing as mp
 import os
@@ -377,6 +378,13 @@ class Child:
     def close(self) -> None:
         """Stop now and forget the cleanup entry."""
         self._cleanup.run_one(self._handle)
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write a run's results (``--json``): indented, anything JSON lacks as ``str``."""
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    print(f"wrote {path}")
 
 
 def rss_info() -> dict:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import random
 import shutil
@@ -1097,9 +1096,7 @@ def main(argv=None) -> int:
         doc = {"env": env, "loadavg_end": end_load, "foreign_cpus": foreign, "quick": cfg.quick,
                "config": {k: v for k, v in vars(cfg).items()}, "rows": rows, "raw": res,
                "shm_leftovers": left, "interrupted": interrupted, "error": error}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
+        U.write_json(args.json, doc)
     return 130 if interrupted else (1 if error else 0)
 
 

@@ -109,7 +109,6 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import json
 import math
 import multiprocessing as mp
 import os
@@ -1098,9 +1097,7 @@ def main(argv=None) -> int:
         doc = {"env": env, "config": asdict(cfg), "args": vars(args), "loadavg_end": end_load,
                "foreign_cpus": fc, "rows": rows, "raw": res, "shm_leftovers": left,
                "interrupted": interrupted, "error": error, "yrcache_error": bench.yr_error, "wrong_bytes": wrong}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
+        U.write_json(args.json, doc)
     if interrupted:
         return 130
     return 1 if (error or wrong or bench.yr_error) else 0

@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import functools
 import io
-import json
 import math
 import multiprocessing as mp
 import os
@@ -1174,9 +1173,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = {"env": env, "model": asdict(model), "args": vars(args), "loadavg_end": end_load,
                "foreign_cpus": fc, "rows": rows, "raw": res, "interrupted": interrupted, "error": error}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
+        U.write_json(args.json, doc)
     return 130 if interrupted else (1 if error else 0)
 
 

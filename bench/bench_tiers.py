@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import sys
@@ -604,9 +603,7 @@ def main(argv=None) -> int:
     if args.json:
         doc = {"env": env, "loadavg_end": end_load, "foreign_cpus": foreign, "quick": cfg.quick,
                "config": vars(cfg), "rows": rows, "raw": res, "interrupted": interrupted, "error": error}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
+        U.write_json(args.json, doc)
     return 130 if interrupted else (1 if error else 0)
 
 

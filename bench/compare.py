@@ -55,7 +55,6 @@ import gc
 import glob
 import importlib
 import importlib.util
-import json
 import os
 import pickle
 import shutil
@@ -1482,9 +1481,7 @@ def main(argv=None) -> int:
         doc = {"env": env, "run_id": RUN_ID, "loadavg_end": end_load, "foreign_cpus": foreign, "section_foreign_cpus": sections,
                "quick": cfg.quick, "config": asdict(cfg), "peers": status, "errors": errors,
                "rows": rows, "raw": raw, "interrupted": interrupted, "error": error}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1, default=str)
-        print(f"wrote {args.json}")
+        U.write_json(args.json, doc)
     return 130 if interrupted else (1 if error or errors else 0)
 
 
