@@ -10,12 +10,13 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from .. import codec
+from .remote import pool
 from .board import FORMAT, VersionBoard, encode_structure, merge_manifests
 from ..types import Array, DType
 from .reshard import Shard
@@ -130,7 +131,7 @@ class _Sends:
             return
         if len(self.pending) >= self.depth:
             self.pending.pop(0).result()
-        self.pending.append(_pool().submit(fn, *args))
+        self.pending.append(pool().submit(fn, *args))
 
     def wait(self, raising: bool = True) -> None:
         """Wait for every call in flight; then raise the first error (if ``raising``)."""
@@ -143,15 +144,6 @@ class _Sends:
                 first = first or e
         if first is not None and raising:
             raise first
-
-
-_POOL: list[ThreadPoolExecutor] = []
-
-
-def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=4, thread_name_prefix="yrcache-rl-publish"))
-    return _POOL[0]
 
 
 class WeightPublisher:

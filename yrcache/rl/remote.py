@@ -29,9 +29,11 @@ SPANS_PER_READ = 4096          # (wire.MAX_SPANS)
 _POOL: list[ThreadPoolExecutor] = []
 
 
-def _pool() -> ThreadPoolExecutor:
+def pool() -> ThreadPoolExecutor:
+    """The threads ``yrcache.rl`` moves parts on over a cluster (sends of a publish,
+    pulls of a fetch), made on first use."""
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-rl-fetch"))
+        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-rl"))
     return _POOL[0]
 
 
@@ -77,13 +79,12 @@ def cache_key(name: str, version: int, part: str, spans: list[tuple]) -> str:
 class _Pull:
     """Where one part's bytes come from in this fetch, and the buffer they end up in."""
 
-    __slots__ = ("slot", "key", "spans", "prefer", "buf", "packed", "how", "nbytes")
+    __slots__ = ("slot", "key", "spans", "prefer", "buf", "how", "nbytes")
 
     def __init__(self, slot: int, key: str, spans: list[tuple], prefer: list[str]):
         self.slot, self.key, self.spans, self.prefer = slot, key, spans, prefer
         self.buf: Any = None
-        self.packed = True
-        self.how = ""
+        self.how = ""                  # network | node_cache (packed spans) | local (the whole part)
         self.nbytes = sum(run * rows for _, run, rows, _ in spans)
 
 
@@ -102,18 +103,18 @@ def fetch_parts(store: Any, name: str, version: int, keys: list[str], spans: lis
     for p in pulls:
         local = node.get(p.key) if node is not None else None
         if local is not None:
-            p.buf, p.packed, p.how = _flat(local), False, "local"
+            p.buf, p.how = _flat(local), "local"
         else:
             todo.append(p)
     if len(todo) == 1:
         _pull(store, node, name, version, todo[0])
     elif todo:
-        for f in [_pool().submit(_pull, store, node, name, version, p) for p in todo]:
+        for f in [pool().submit(_pull, store, node, name, version, p) for p in todo]:
             f.result()
     counts = {"bytes_network": 0, "bytes_node_cache": 0, "bytes_local": 0}
     for p in pulls:
         counts[f"bytes_{p.how}"] += p.nbytes
-    return [p.buf for p in pulls], [p.packed for p in pulls], counts
+    return [p.buf for p in pulls], [p.how != "local" for p in pulls], counts
 
 
 def _flat(value: Any) -> np.ndarray:
