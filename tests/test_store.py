@@ -96,5 +96,13 @@ def test_get_raw_returns_the_header_and_stored_bytes(store_name, tmp_path):
         assert s.get_raw("missing") is None
         with pytest.raises(TypeError, match="pickled"):
             s.get_raw("obj")
-        del view
+        # mget_raw: the same answers for a batch (small, large, SSD, missing)
+        got = s.mget_raw(["small", "big", "cold", "missing"])
+        assert got[0] == (b"B", memoryview(b"abc")) and got[0][1].readonly and got[3] is None
+        assert got[1][0] == b"N;<f8;3" and got[1][1].tobytes() == np.zeros(3).tobytes()
+        assert got[2][0] == b"N;<i2;10" and got[2][1].tobytes() == np.arange(10, dtype=np.int16).tobytes()
+        with pytest.raises(TypeError, match="pickled"):
+            s.mget_raw(["big", "obj"])
+        assert s.mget_raw([]) == []
+        del view, got
         s.check()

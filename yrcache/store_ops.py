@@ -151,6 +151,31 @@ class StoreOps:
         _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
         return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
 
+
+    def mget_raw(self, keys: list[str]) -> list[tuple[bytes, memoryview] | None]:
+        """``get_raw`` of several keys: small objects copied out under one lock hold,
+        larger ones then read one by one (each a pinned view); None where missing."""
+        a = self._a
+        kbs = [key_bytes(k) for k in keys]
+        if not kbs:
+            return []
+        infos, found, copied = a.mread(kbs, small=self._hbm is None)
+        for i in range(len(kbs)):
+            if found[i] == 1:
+                a.unpin(infos[i].pin)           # read again below, with get_raw's checks
+        body = memoryview(copied).toreadonly()
+        out: list[tuple[bytes, memoryview] | None] = []
+        for i, k in enumerate(keys):
+            if found[i] == 2:
+                info = infos[i]
+                mo, po = info.meta_off, info.payload_off
+                meta = copied[mo:mo + info.meta_len]
+                if meta[:1] == b"P":
+                    raise TypeError(f"{k!r} holds a pickled object, which has no raw form: read it with get()")
+                out.append((meta, body[po:po + info.nbytes]))
+            else:
+                out.append(self.get_raw(k) if found[i] else None)
+        return out
     def get_into(self, key: str, out: _Out) -> _Out:
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
 

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .. import codec
 from ..config import Tier
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
@@ -143,16 +142,13 @@ class Node(tp.Handler):
         return self.read(f.key, f.offset, f.length)
 
     def get_many(self, keys: list[str]) -> list[tp.Got | None]:
-        out: list[tp.Got | None] = []
+        try:
+            raw = self.local.mget_raw(keys)
+        except TypeError:                     # a pickled object among them: key by key
+            return super().get_many(keys)
         versions = self.versions
-        for k, value in zip(keys, self.local.mget(keys)):
-            if value is None:
-                out.append(None)
-                continue
-            meta, payload, nbytes = codec.encode(value)
-            out.append(tp.Got(meta, memoryview(payload).cast("B") if nbytes else memoryview(b""),
-                              versions.get(k, (0, 0))))
-        return out
+        return [None if r is None else tp.Got(r[0], r[1], versions.get(k, (0, 0)))
+                for k, r in zip(keys, raw)]
 
     def delete(self, f: tp.Frame) -> int:
         return self.remove(f.key, f.version)

@@ -290,29 +290,68 @@ class Router:
             return f"{m} ({e})"
         return None
 
-    def mread(self, per_member: dict[str, list[str]]) -> dict[str, tp.Got | None]:
-        """Pipelined reads from several members at once (requests out first, then replies);
-        a key a member does not answer for maps to None (the caller fails over)."""
+    def mread(self, per_member: dict[str, list[str]]) -> tuple[dict[str, tp.Got | None], set[str]]:
+        """Pipelined reads from several members at once (every request out first, then the
+        replies): ``({key: Got or None}, members that did not answer)``; a key only a
+        silent member was asked for is absent from the first."""
         out: dict[str, tp.Got | None] = {}
+        failed: set[str] = set()
         sent = []
         for m, keys in per_member.items():
             peer = self.peer(m)
             if peer is None:
+                failed.add(m)
                 continue
-            keys = keys[:tp.MAX_BATCH]          # the rest fail over one by one
+            chunks = [keys[i:i + tp.MAX_BATCH] for i in range(0, len(keys), tp.MAX_BATCH)]
             try:
                 c = peer.borrow()
-                c.send_mget(keys)
+                for chunk in chunks:
+                    c.send_mget(chunk)
             except (ClusterUnavailableError, OSError):
+                failed.add(m)
                 continue
-            sent.append((peer, c, keys))
-        for peer, c, keys in sent:
+            sent.append((m, peer, c, chunks))
+        for m, peer, c, chunks in sent:
             try:
-                for k, g in zip(keys, c.recv_mget(len(keys))):
-                    out[k] = g
+                got: dict[str, tp.Got | None] = {}
+                for chunk in chunks:
+                    got.update(zip(chunk, c.recv_mget(len(chunk))))
                 peer.give_back(c)
             except (ConnectionError, OSError, tp.RemoteError):
                 c.sock.close()
+                failed.add(m)
+                continue
+            for k, g in got.items():
+                if out.get(k) is None:
+                    out[k] = g
+        return out, failed
+
+    def mread_all(self, keys: list[str], skip: str | None = None) -> dict[str, tp.Got | None]:
+        """Read ``keys`` the way ``read`` reads one: from each key's first owner (one
+        batch per member), then what they lacked from every other member at once (the
+        second owners, or wherever a hand-over left it), so a batch of misses costs two
+        round trips, not one per key and member. A key whose owners all failed to
+        answer is read once more on its own (``read`` raises if they still do not)."""
+        first: dict[str, list[str]] = {}
+        owners_of: dict[str, list[str]] = {}
+        for k in keys:
+            owners = owners_of[k] = self.owners(k)
+            if owners:
+                m = owners[0] if owners[0] != skip else (owners[1] if len(owners) > 1 else None)
+                if m is not None:
+                    first.setdefault(m, []).append(k)
+        out, failed = self.mread(first)
+        rest = [k for k in keys if out.get(k) is None]
+        if rest:
+            asked = {k: m for m, ks in first.items() for k in ks}
+            members = [m for m in self.ring.members if m != skip]
+            ask = {m: [k for k in rest if asked.get(k) != m] for m in members}
+            got, failed2 = self.mread({m: ks for m, ks in ask.items() if ks})
+            failed |= failed2
+            for k in rest:
+                out[k] = got.get(k)
+                if out[k] is None and owners_of[k] and all(o in failed or o == skip for o in owners_of[k]):
+                    out[k] = self.read(k, skip=skip)
         return out
 
     def delete(self, key: str) -> bool:
@@ -358,28 +397,78 @@ class Router:
     # -- reads
     def read(self, key: str, offset: int = 0, length: int = tp.ALL, skip: str | None = None,
              into: Callable[[bytes, int], Any] | None = None) -> tp.Got | None:
-        """Fetch ``key`` from its owners, then (while objects move) from the other members."""
+        """Fetch ``key`` from its first owner; if it lacks the key, ask every other member
+        at once (a probe of length 0: the second owners, or wherever a hand-over left it)
+        and read it from the first, in owner order, that holds it. A miss costs two
+        round trips, whatever the number of members."""
         owners = self.owners(key)
-        errors = []
-        for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners)):
-            if m == skip:
+        order = [m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
+                 if m != skip]
+        errors: list[str] = []
+        if not order:
+            return None
+        got = self._read_from(order[0], key, offset, length, into, owners, errors)
+        if got is not None:
+            return got
+        probes = self._probe(order[1:], key, owners, errors)
+        for m in order[1:]:
+            hit = probes.get(m)
+            if hit is None:
                 continue
-            node = self.node
-            try:
-                if node is not None and m == node.member_id:
-                    got = node.read(key, offset, length)
-                else:
-                    peer = self.peer(m)
-                    got = peer.get(key, offset, length, into=into) if peer is not None else None
-            except ClusterUnavailableError as e:
-                if m in owners:
-                    errors.append(f"{m}: {e}")
-                continue
+            if length == 0:
+                return hit
+            got = self._read_from(m, key, offset, length, into, owners, errors)
             if got is not None:
                 return got
-        if owners and errors and len(errors) >= len(owners):   # (a skipped owner was asked locally)
+        if owners and errors and len(errors) >= len([o for o in owners if o != skip]):
             raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
         return None
+
+    def _read_from(self, m: str, key: str, offset: int, length: int, into: Callable[[bytes, int], Any] | None,
+                   owners: list[str], errors: list[str]) -> tp.Got | None:
+        """``key`` from member ``m`` (this process's own node in place), or None; an owner
+        that does not answer is noted in ``errors``."""
+        node = self.node
+        try:
+            if node is not None and m == node.member_id:
+                return node.read(key, offset, length)
+            peer = self.peer(m)
+            return peer.get(key, offset, length, into=into) if peer is not None else None
+        except ClusterUnavailableError as e:
+            if m in owners:
+                errors.append(f"{m}: {e}")
+            return None
+
+    def _probe(self, members: list[str], key: str, owners: list[str], errors: list[str]) -> dict[str, tp.Got | None]:
+        """Ask ``members`` at once whether they hold ``key`` (a read of length 0 each:
+        every request out, then every reply)."""
+        out: dict[str, tp.Got | None] = {}
+        sent = []
+        node = self.node
+        for m in members:
+            if node is not None and m == node.member_id:
+                out[m] = node.read(key, 0, 0)
+                continue
+            peer = self.peer(m)
+            if peer is None:
+                continue
+            try:
+                c = peer.borrow()
+                c.sock.sendall(tp.pack(tp.GET, key.encode(), offset=0, length=0))
+            except (ClusterUnavailableError, OSError) as e:
+                if m in owners:
+                    errors.append(f"{m}: {peer.error(e)}")
+                continue
+            sent.append((m, peer, c))
+        for m, peer, c in sent:
+            try:
+                out[m] = c.recv_get()
+                peer.give_back(c)
+            except (ConnectionError, OSError, tp.RemoteError) as e:
+                c.sock.close()
+                if m in owners:
+                    errors.append(f"{m}: {peer.error(e)}")
+        return out
 
     def read_spans(self, key: str, spans: list[tp.Span], into: Callable[[bytes, int], Any] | None = None,
                    prefer: Iterable[str] = (), skip: str | None = None) -> tp.Got | None:

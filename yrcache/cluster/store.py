@@ -356,7 +356,7 @@ class ClusterStore(NodeSharing, TieredStore):
         keys = list(keys)
         out: list[Any] = [None] * len(keys)
         router = self._router
-        todo: dict[str, list[int]] = {}
+        todo: list[int] = []
         for i, k in enumerate(keys):
             key_bytes(k)
             v = self._local_get(k)
@@ -364,22 +364,17 @@ class ClusterStore(NodeSharing, TieredStore):
                 out[i] = codec.private_copy(v) if copy else v
                 self._ops["hits"] += 1
             else:
-                owners = router.owners(k)
-                if owners:
-                    todo.setdefault(owners[0], []).append(i)
-        got = router.mread({m: [keys[i] for i in idx] for m, idx in todo.items()
-                            if self._node is None or m != self._node.member_id})
-        for idx in todo.values():
-            for i in idx:
-                g = got.get(keys[i])
-                if g is None:
-                    g = router.read(keys[i])         # fail-over, or still moving
-                if g is None:
-                    self._ops["misses"] += 1
-                else:
-                    self._ops["hits"] += 1
-                    v = decode(g.meta, g.buf, len(g.buf))
-                    out[i] = codec.private_copy(v) if copy else v
+                todo.append(i)
+        skip = router.member_id if self._local is not None else None     # (asked above)
+        got = router.mread_all([keys[i] for i in todo], skip=skip)
+        for i in todo:
+            g = got.get(keys[i])
+            if g is None:
+                self._ops["misses"] += 1
+            else:
+                self._ops["hits"] += 1
+                v = decode(g.meta, g.buf, len(g.buf))
+                out[i] = codec.private_copy(v) if copy else v
         return out
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:

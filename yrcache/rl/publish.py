@@ -6,9 +6,9 @@ See ``weights.py`` for the storage layout and the protocol.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
-import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -103,6 +103,15 @@ def _source(tname: str, value: Any, dtype: Any) -> _Source:
 
 
 def _filler(src: _Source):
+    """What ``put_with`` stores for ``src``: its own bytes when they need no cast or move
+    (one C call copies them), else a function that casts them into the block."""
+    v = src.value
+    if isinstance(v, np.ndarray) and v.dtype == np.dtype(src.dtype) and v.flags.c_contiguous:
+        return v
+    if src.kind == "torch" and v.device.type == "cpu" and str(v.dtype) == f"torch.{src.dtype}" \
+            and v.is_contiguous():
+        return codec.as_bytes_view(v)
+
     def fill(u8: np.ndarray) -> None:
         if u8.size == 0:
             return
@@ -180,6 +189,7 @@ class WeightPublisher:
         self.last_publish_stats: dict = {}
         self._pending: set[int] = set()
         self._woke_nobody = False        # a version completed here, its waiters not woken yet
+        self._structures: dict[tuple, bytes] = {}     # manifests' shapes -> merged structure
 
     def publish(self, state: Mapping[str, Array], version: int, layout: Mapping[str, Shard | None] | None = None,
                 dtype: DType | None = None) -> bool:
@@ -227,7 +237,7 @@ class WeightPublisher:
             self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         self._check_world(version)              # before writing anything
         self.board.begin(version, self.rank, self.world)
-        nonce = uuid.uuid4().hex[:12]
+        nonce = os.urandom(6).hex()
         tensors, written, nbytes = {}, [], 0
         owners_of = getattr(self.store, "owners", None)
         placement: dict[str, list[str]] = {}
@@ -316,16 +326,28 @@ class WeightPublisher:
         manifests = [m for m in got if m is not None]
         if len(manifests) < len(got):
             return False
-        info = merge_manifests(manifests, self.name, version)   # refuses an inconsistent version
         advanced = self.board.complete(
             version, {"format": FORMAT, "version": version, "world": self.world, "keep": self.keep,
                       "nonces": [m["nonce"] for m in manifests],
                       "placement": [m.get("placement", {}) for m in manifests]},
-            encode_structure(info), wake=False)
+            self._structure(manifests, version), wake=False)
         self._woke_nobody = True
         if advanced:          # of ranks completing it at once, one retires (a dead one: the next)
             self._reclaim()
         return True
+
+    def _structure(self, manifests: list[dict], version: int) -> bytes:
+        """The merged structure of a version's manifests (``merge_manifests`` refuses an
+        inconsistent one), remembered for the next versions of an unchanged model."""
+        sig = tuple((m.get("world"), tuple((t, e["kind"], e["dtype"], tuple(e["shape"]), e["dim"], e["key"] is None)
+                                           for t, e in m["tensors"].items())) for m in manifests)
+        got = self._structures.get(sig)
+        if got is None:
+            got = encode_structure(merge_manifests(manifests, self.name, version))
+            if len(self._structures) >= 8:
+                self._structures.clear()
+            self._structures[sig] = got
+        return got
 
     def _reclaim(self) -> None:
         done = self.board.complete_versions()

@@ -95,10 +95,10 @@ class Reservation:
             lib.yr_memcpy(self.arena.cbase + self.payload_off, ffi.from_buffer(src), self.nbytes)
 
     def commit(self, expected: int = ANY_SEQ):
-        """Publish the object; what it replaced (a ``yr_retired``), or None if
-        the key is no longer the object ``expected``."""
+        """Publish the object; what it replaced (this thread's scratch ``yr_retired``,
+        valid until its next call), or None if the key is no longer ``expected``."""
         a = self.arena
-        out = ffi.new("yr_retired *")
+        out = _scratch()[1]
         rc = lib.yr_commit(a.base, a.slot, self.block, expected, out)
         if rc == lib.YR_ECHANGED:     # still reserved: the caller's ``with`` (or abort()) frees it
             return None
@@ -492,8 +492,8 @@ class Arena:
     def delete(self, kb: bytes, expected: int = ANY_SEQ) -> tuple[bool, Any]:
         """Remove ``kb`` (if it is still the object ``expected``): (whether a
         live object was deleted, what left the index: an expired object
-        leaves it too, but was not there to delete)."""
-        out = ffi.new("yr_retired *")
+        leaves it too, but was not there to delete: valid until this thread's next call)."""
+        out = _scratch()[1]
         return lib.yr_delete(self.base, kb, len(kb), expected, out) == 0, out
 
     def set_flags(self, kb: bytes, seq: int, set: int = 0, clear: int = 0) -> bool:
@@ -525,23 +525,21 @@ class Arena:
         """Keys starting with ``prefix`` in byte order, from the sorted index: a
         batch of at most 512 per lock hold, each batch a logarithmic search
         plus its matches; ``alive()`` runs before each batch (and may raise)."""
-        more = ffi.new("uint64_t *")
-        size = 1 << 16
-        buf = ffi.new("char[]", size)
-        after = b""
+        after, size = b"", MREAD_BYTES
         while True:
             if alive is not None:
                 alive()
+            _, _, more, _, _, buf = _scratch()      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 512, more)
             check(n, "keys")
-            raw = ffi.buffer(buf, size)
+            raw, last = ffi.buffer(buf, size), not more[0]
             out, pos = [], 0
             for _ in range(n):
                 klen = int.from_bytes(raw[pos:pos + 4], "little")
                 out.append(raw[pos + 4:pos + 4 + klen])
                 pos += 4 + klen
             yield from (k.decode() for k in out)
-            if not more[0]:
+            if last:
                 return
             after = out[-1]
 
