@@ -29,7 +29,7 @@ the two interleaved where that makes sense; medians after a warm-up):
 5. 1 KiB values, sequential, one pure client (replicas=2, write-through): put/s
    and get/s on one overwritten key and on many keys, vs redis-py SET/GET on one
    connection; ``mset``/``mget`` of 100 keys vs a Redis pipeline of 100 SET / one
-   MGET.
+   MGET; a get of a missing key and an mget of 100 missing keys vs Redis's.
 6. fail-over: 4 members, replicas=2, write-through, 10,000 objects of 100 KiB
    (~1 GiB; --quick: 1,000, ~100 MiB); SIGKILL one member and poll every live
    member's key list over its data port until every key is on 2 live members,
@@ -751,7 +751,27 @@ class Bench:
                     t_rmget.append(t2 - t1)
         if any(g is None or bytes(g) != value for g in got) or any(g != value for g in rgot):
             raise RuntimeError("batches: a value read back differs")
-        out.update(mset=t_mset, mget=t_mget, redis_pipeline_set=t_pipe, redis_mget=t_rmget)
+        # misses: a key nobody holds is asked of its first owner, then of every other member at once
+        mkeys = [f"none/{i:04d}" for i in range(b)]
+        t_miss, t_rmiss, t_mmiss, t_rmmiss = [], [], [], []
+        for rep in range(cfg.batch_reps):
+            t0 = pc()
+            c.get(mkeys[rep % b])
+            t1 = pc()
+            r.get(mkeys[rep % b])
+            t2 = pc()
+            gm = c.mget(mkeys)
+            t3 = pc()
+            rm = r.mget(mkeys)
+            t4 = pc()
+            t_miss.append(t1 - t0)
+            t_rmiss.append(t2 - t1)
+            t_mmiss.append(t3 - t2)
+            t_rmmiss.append(t4 - t3)
+        if any(g is not None for g in gm) or any(g is not None for g in rm):
+            raise RuntimeError("misses: a key nobody wrote was found")
+        out.update(mset=t_mset, mget=t_mget, redis_pipeline_set=t_pipe, redis_mget=t_rmget,
+                   get_miss=t_miss, redis_get_miss=t_rmiss, mget_miss=t_mmiss, redis_mget_miss=t_rmmiss)
         log(f"batch of {b}: mset {U.fmt_ns(U.median(t_mset))}, mget {U.fmt_ns(U.median(t_mget))}; "
             f"redis pipeline SET {U.fmt_ns(U.median(t_pipe))}, MGET {U.fmt_ns(U.median(t_rmget))}")
 
@@ -959,6 +979,12 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
             row(text, f"{U.fmt_ns(y)} = {U.fmt_rate(b / (y / 1e9), 'keys/s')}",
                 f"{U.fmt_ns(rd)} = {U.fmt_rate(b / (rd / 1e9), 'keys/s')}", rd / y, f"> {SMALL_TARGET:g}x",
                 rd / y > SMALL_TARGET, yr_median_ns=y, base_median_ns=rd)
+    if sm.get("get_miss"):
+        b = cfg.batch
+        for yk, rk, text in (("get_miss", "redis_get_miss", "get of a missing key (info) vs redis GET of one"),
+                             ("mget_miss", "redis_mget_miss", f"mget of {b} missing keys (info) vs redis MGET of {b}")):
+            y, rd = U.median(sm[yk]), U.median(sm[rk])
+            row(text, U.fmt_ns(y), U.fmt_ns(rd), rd / y, yr_median_ns=y, base_median_ns=rd)
 
     fo = res.get("failover", {})
     if "reads_total" in fo:

@@ -288,6 +288,46 @@ def test_a_replica_keeps_the_higher_version(harness):
         peer.close()
 
 
+def test_a_batch_of_puts_keeps_each_keys_higher_version(harness):
+    """An MPUT applies its small items at once; each still keeps the higher version,
+    a refused item (a header that disagrees with its payload) does not stop the others,
+    a key twice in one batch ends at its newer version, and a large item in the
+    middle is received in its turn."""
+    node = harness.start(1)[0]
+    with harness.client(replicas=1) as c:
+        harness.wait_members(c, 1)
+        c["old"] = b"new"
+        hlc, writer = node.keys()["old"]
+        peer = node.peer()
+        v = (hlc + 10, writer)
+        big = np.arange(40_000, dtype=np.int64)      # over the wire's small-payload size
+        try:
+            items = [("old", b"B", b"older", 5, (hlc - 1, writer), 0, 0.0),     # stale
+                     ("old", b"B", b"new", 3, (hlc, writer), 0, 0.0),           # the same version
+                     ("a", b"B", b"A", 1, v, 0, 0.0),
+                     ("bad", b"N;<i8;4", b"12345678", 8, v, 0, 0.0),             # header says 32 bytes
+                     ("big", b"N;<i8;40000", big, big.nbytes, v, 0, 0.0),
+                     ("b", b"B", b"BB", 2, v, 0, 0.0)]
+            statuses = peer.mput([items[2], items[3], items[4], items[5]])
+        except tp.RemoteError as e:                 # the refused item makes the batch an error
+            assert "refused 1 of 4" in str(e)
+        else:
+            raise AssertionError(f"the bad header was accepted: {statuses}")
+        try:
+            assert peer.mput([items[0], ("e", b"B", b"E", 1, v, 0, 0.0)]) == [tp.STALE, tp.OK]
+            assert peer.mput([items[1], ("f", b"B", b"F", 1, v, 0, 0.0)]) == [tp.SAME, tp.OK]
+            # the newer write first, then an older one of the same key, in one batch
+            assert peer.mput([("d", b"B", b"second", 6, (v[0] + 1, writer), 0, 0.0),
+                              ("d", b"B", b"first", 5, v, 0, 0.0)]) == [tp.OK, tp.STALE]
+        finally:
+            peer.close()
+        assert bytes(c["old"]) == b"new" and bytes(c["a"]) == b"A" and bytes(c["b"]) == b"BB"
+        assert bytes(c["e"]) == b"E" and bytes(c["f"]) == b"F"
+        assert np.array_equal(c["big"], big) and c.get("bad") is None
+        assert bytes(c["d"]) == b"second" and node.keys()["d"] == (v[0] + 1, writer)
+        assert node.keys()["a"] == v
+
+
 def test_concurrent_writers_through_different_members_converge(harness):
     harness.start(3)
     script = textwrap.dedent("""

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import codec
 from .config import Tier
-from .placement import RETRY
+from .placement import RETRY, SMALL_VALUE
 from .errors import YrcacheError
 from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
 from .tiers.dram import TIER_DRAM, Word
 from .tiers.segment import check_trusted, seg_path
 from .types import Value
-from .validate import key_bytes
+from .validate import expire_at as _expire_at, key_bytes, priority as _priority
 
 if TYPE_CHECKING:
     from .hbm import HbmOwner
@@ -55,6 +55,8 @@ class StoreOps:
         def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any: ...
 
         def _check_open(self) -> None: ...
+
+        def _check_tier(self, tier: Tier | None) -> Tier | None: ...
 
     def pin_host_memory(self) -> None:
         """Register the arena as pinned (page-locked) host memory for CUDA.
@@ -151,6 +153,25 @@ class StoreOps:
         _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
         return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
 
+
+    def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
+                 ttl: float | None = None, tier: Tier | None = None) -> None:
+        """``put_with`` of several encoded objects ``(key, meta, payload, nbytes)``, each
+        ``payload`` a contiguous buffer of ``nbytes``: the small ones under one hold of
+        the arena lock, the rest one by one. Each object is atomic, the batch is not;
+        every key is validated before anything is stored."""
+        self._check_open()
+        t = self._check_tier(tier)
+        expire_at, priority = _expire_at(ttl), _priority(priority)
+        rows = [(key_bytes(k), meta, payload, int(n)) for k, meta, payload, n in entries]
+        p = self._placement
+        batch = t in (None, Tier.DRAM) and p.default_tier is None
+        small = [e for e in rows if e[3] <= SMALL_VALUE] if batch else []
+        done = p.put_many_small(small, priority, expire_at) if small else 0
+        stored = {id(e) for e in small[:done]}
+        for e in rows:
+            if id(e) not in stored:
+                p.put(*e, priority, expire_at, None if t == Tier.HBM else t)
 
     def mget_raw(self, keys: list[str]) -> list[tuple[bytes, memoryview] | None]:
         """``get_raw`` of several keys: small objects copied out under one lock hold,

@@ -42,6 +42,7 @@ from .wire import (  # noqa: F401  (the wire's names are part of this module's i
 from .peer import RECEIVED, Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
 log = logging.getLogger(__name__)
+RUN_BYTES = 1 << 20      # small puts of an MPUT held in memory before they are applied
 
 
 # ---- server ------------------------------------------------------------------------
@@ -57,6 +58,19 @@ class Handler:
         buffer, small ones) or a callable to call once with the destination (or call
         ``skip()`` instead, to drop the payload)."""
         raise NotImplementedError
+
+    def put_many(self, items: list[tuple[Frame, bytes]]) -> list[int]:
+        """Store several small puts (each frame with its payload); a status each."""
+        out = []
+        for f, payload in items:
+            try:
+                out.append(self.put(f, payload, _nothing))
+            except MemoryError:
+                out.append(FULL)
+            except Exception as e:   # noqa: BLE001 - this item failed, the batch goes on
+                log.info("mput item %r refused: %s", f.key[:80], e)
+                out.append(ERROR)
+        return out
 
     def get(self, f: Frame) -> Got | None:
         """``f.key``'s ``[offset, offset+length)`` (its meta, version and, for length 0, tier), or None."""
@@ -270,11 +284,15 @@ class Server:
             skip()
 
     def _mput(self, rd: Reader, f: Frame, out: list[Any]) -> None:
-        """Apply a batch of puts; the reply's body is one status byte per item."""
+        """Apply a batch of puts; the reply's body is one status byte per item. Runs of
+        small items go to the handler's ``put_many`` at once; a large one is received
+        straight into its destination, in its turn."""
         if f.length > MAX_BATCH:
             raise ProtocolError(f"an mput of {f.length} items (at most {MAX_BATCH})")
         left = f.plen
         statuses = bytearray()
+        run: list[tuple[Frame, bytes]] = []
+        held = 0
         for _ in range(f.length):
             if left < _PUT_ITEM.size:
                 raise ProtocolError("an mput body shorter than its items")
@@ -288,19 +306,42 @@ class Server:
                 raise ProtocolError("a frame's key is not UTF-8") from None
             left -= _PUT_ITEM.size + klen + mlen + nbytes
             item = Frame(PUT, f.flags, 0, key, body[klen:], nbytes, (hlc, writer), priority, expire_at, 0, 0)
-            try:
-                status = self._put(rd, item)
-            except (ConnectionError, ProtocolError):
-                raise
-            except MemoryError:
-                status = FULL
-            except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
-                log.info("mput item %r refused: %s", key[:80], e)
-                status = ERROR
-            statuses.append(status)
+            if nbytes <= SMALL:
+                run.append((item, bytes(rd.take(nbytes))))
+                held += nbytes
+                if held < RUN_BYTES:
+                    continue
+            statuses += self._put_run(run)
+            run, held = [], 0
+            if nbytes > SMALL:
+                statuses.append(self._put_item(rd, item))
+        statuses += self._put_run(run)
         if left:
             raise ProtocolError(f"an mput body with {left} bytes after its items")
         out.append(pack(MPUT, plen=len(statuses)) + statuses)
+
+    def _put_item(self, rd: Reader, item: Frame) -> int:
+        try:
+            return self._put(rd, item)
+        except (ConnectionError, ProtocolError):
+            raise
+        except MemoryError:
+            return FULL
+        except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
+            log.info("mput item %r refused: %s", item.key[:80], e)
+            return ERROR
+
+    def _put_run(self, run: list[tuple[Frame, bytes]]) -> bytes:
+        """The statuses of a run of small puts, applied by the handler at once."""
+        if not run:
+            return b""
+        try:
+            return bytes(self.handler.put_many(run))
+        except MemoryError:
+            return bytes([FULL]) * len(run)
+        except Exception as e:      # noqa: BLE001 - the batch failed as a whole
+            log.info("an mput of %d items refused: %s", len(run), e)
+            return bytes([ERROR]) * len(run)
 
     def _mget(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
         """Read a batch: the reply's body is an item header, meta and payload per key."""
