@@ -350,7 +350,7 @@ class Router:
             failed |= failed2
             for k in rest:
                 out[k] = got.get(k)
-                if out[k] is None and owners_of[k] and all(o in failed or o == skip for o in owners_of[k]):
+                if out[k] is None and owners_of[k] and all(o in failed for o in owners_of[k]):
                     out[k] = self.read(k, skip=skip)
         return out
 
@@ -420,7 +420,7 @@ class Router:
             got = self._read_from(m, key, offset, length, into, owners, errors)
             if got is not None:
                 return got
-        if owners and errors and len(errors) >= len([o for o in owners if o != skip]):
+        if owners and errors and len(errors) >= len(owners):   # (a skipped owner was asked locally)
             raise ClusterUnavailableError(f"get {key!r}: no owner answered ({'; '.join(errors)})")
         return None
 
