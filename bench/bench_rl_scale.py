@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     try:
         # publish() first: the teardown of hundreds of subscriber processes keeps the
         # kernel busy for a while after they exit
-        doc["publish"] = publish_cost(50 if args.quick else 200, cleanup)
+        doc["publish"] = publish_cost(50 if args.quick else 1000, cleanup)
         for n in subs:
             doc["fanout"][n] = fanout(n, rounds, cleanup)
             gc.collect()

@@ -149,7 +149,7 @@ class VersionBoard:
         if raw is None:
             return None
         head, _, structure = bytes(raw).partition(b"\n")
-        marker = json.loads(head.decode())
+        marker = json.loads(head)
         marker["structure"] = structure
         return marker
 

@@ -132,13 +132,13 @@ class _NoBar:
         pass
 
 
-def _progress(total: int, desc: str):
+def _progress(total: int, name: str, version: int):
     """A progress bar for a big fetch on a terminal; nothing (not even the import) otherwise."""
     if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
         return _NoBar()
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+    return tqdm(total=total, unit="B", unit_scale=True, desc=f"{name} v{version}")
 
 
 class _Stager:
@@ -415,7 +415,7 @@ class WeightSubscriber:
         pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
         reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
         stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
-        with _progress(c.needed, f"{self.name} v{version}") as bar:
+        with _progress(c.needed, self.name, version) as bar:
             for t in targets:
                 out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
                                            into.get(t.name), dtype, stager)
