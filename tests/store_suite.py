@@ -39,7 +39,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from yrcache import Tier
+from yrcache import Tier, codec
 
 try:  # torch is a test dependency, but keep the non-torch tests usable without it
     import torch
@@ -654,6 +654,21 @@ class StoreSuite:
         assert store.mget(["x", "y"]) == [None, None]
         assert store.mget(k for k in ["d"])[0].tobytes() == b"4"
         assert len(store) == 5
+
+    def test_raw_batches_store_and_return_objects_as_encoded(self, store):
+        """``mput_raw`` stores encoded objects (small ones in one batch, large ones one by
+        one) that ``mget_raw`` returns as stored: header and read-only payload bytes."""
+        values = {"raw/b": b"abc", "raw/a": np.arange(5, dtype=np.int16), "raw/big": np.arange(LARGE // 8),
+                  "raw/empty": b""}
+        rows = [(k, *codec.encode(v)) for k, v in values.items()]
+        store.mput_raw(rows)
+        got = store.mget_raw(["raw/b", "raw/missing", "raw/a", "raw/big", "raw/empty"])
+        assert got[1] is None and len(got) == 5
+        for (_, meta, payload, n), (gmeta, gview) in zip(rows, got[:1] + got[2:]):
+            assert gmeta == meta and gview.readonly and gview.nbytes == n
+            assert gview.tobytes() == memoryview(payload).cast("B").tobytes()[:n]
+        np.testing.assert_array_equal(store["raw/big"], values["raw/big"])
+        assert store.mget_raw([]) == []
 
     def test_mget_of_many_small_values_beside_large_ones(self, store):
         small = {f"s{i:02d}": np.full(700, i, np.float32) for i in range(40)}   # ~110 KiB in all

@@ -219,6 +219,32 @@ def test_pickle_store_round_trips_nested_objects(make_store):
     assert got is not value
 
 
+# --------------------------------------------------- encoded payloads
+
+BAD_ENCODED = [
+    (b"B", 100, b"abc", ValueError, r"a payload of 3 bytes, but nbytes=100"),   # would read past it
+    (b"B", -1, b"", ValueError, r"nbytes must be an int >= 0"),
+    (b"B", 2.5, b"ab", ValueError, r"nbytes must be an int >= 0"),
+    (b"B", True, b"a", ValueError, r"nbytes must be an int >= 0"),
+    (b"B", 3, object(), TypeError, r"a function that fills the block or a contiguous buffer"),
+    (b"N;<i8;4", 8, b"12345678", ValueError, r"says 32 bytes, but nbytes=8"),
+    (b"N;nonsense;4", 8, b"12345678", ValueError, r"unreadable value header"),
+]
+
+
+@pytest.mark.parametrize("meta, nbytes, payload, exc, rule", BAD_ENCODED)
+def test_encoded_payloads_are_checked_before_a_byte_is_copied(store, meta, nbytes, payload, exc, rule):
+    """``put_with`` and ``mput_raw`` copy ``nbytes`` from the buffer they are given: a
+    shorter buffer used to be read past its end (and stored what followed it)."""
+    with pytest.raises(exc, match=rule):
+        store.put_with("enc", meta, nbytes, payload)
+    with pytest.raises(exc, match=rule):
+        store.mput_raw([("enc/ok", b"B", b"ok", 2), ("enc", meta, payload, nbytes)])
+    assert "enc" not in store and "enc/ok" not in store      # validated before anything is stored
+    store.put_with("enc", b"N;<i8;1", 8, np.arange(1, dtype=np.int64))
+    assert store["enc"].tolist() == [0]
+
+
 # ------------------------------------------------------------ full store
 
 

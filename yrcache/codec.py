@@ -187,6 +187,23 @@ _TORCH_ITEMSIZE = {
 }
 
 
+def check_header(meta: bytes, nbytes: int) -> None:
+    """Refuse a header that does not parse, or whose shape and dtype imply another
+    payload size than ``nbytes`` (``put_with`` and batches of encoded objects)."""
+    try:
+        want = _header_nbytes(meta)
+    except (CorruptObjectError, ValueError, TypeError):
+        raise ValueError(f"unreadable value header {meta[:60]!r}: make it with codec.array_meta or "
+                         "codec.tensor_meta") from None
+    if want is not None and want != nbytes:
+        raise ValueError(f"header {meta[:60]!r} says {want} bytes, but nbytes={nbytes}")
+
+
+@lru_cache(maxsize=4096)
+def _header_nbytes(meta: bytes) -> int | None:
+    return payload_nbytes(meta)
+
+
 def payload_nbytes(meta: bytes) -> int | None:
     """The payload size an array or tensor header implies (None for bytes and pickles).
 

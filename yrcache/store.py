@@ -27,7 +27,7 @@ from .placement import RETRY, SMALL_VALUE, Placement
 from .policy import Policy
 from .sizes import format_size
 from .store_ops import StoreOps
-from .validate import expire_at as _expire_at, key_bytes, priority as _priority
+from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
 
@@ -307,7 +307,9 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         """
         self._check_open()
         t = self._check_tier(tier)
-        self._placement.put(key_bytes(key), meta, fill, int(nbytes), _priority(priority), _expire_at(ttl),
+        nbytes = payload_nbytes(key, fill, nbytes)
+        codec.check_header(meta, nbytes)
+        self._placement.put(key_bytes(key), meta, fill, nbytes, _priority(priority), _expire_at(ttl),
                             None if t == Tier.HBM else t)
 
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,

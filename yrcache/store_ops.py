@@ -24,7 +24,7 @@ from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
 from .tiers.dram import TIER_DRAM, Word
 from .tiers.segment import check_trusted, seg_path
 from .types import Value
-from .validate import expire_at as _expire_at, key_bytes, priority as _priority
+from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 
 if TYPE_CHECKING:
     from .hbm import HbmOwner
@@ -157,13 +157,15 @@ class StoreOps:
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
                  ttl: float | None = None, tier: Tier | None = None) -> None:
         """``put_with`` of several encoded objects ``(key, meta, payload, nbytes)``, each
-        ``payload`` a contiguous buffer of ``nbytes``: the small ones under one hold of
+        ``payload`` a contiguous buffer of exactly ``nbytes``: the small ones under one hold of
         the arena lock, the rest one by one. Each object is atomic, the batch is not;
         every key is validated before anything is stored."""
         self._check_open()
         t = self._check_tier(tier)
         expire_at, priority = _expire_at(ttl), _priority(priority)
-        rows = [(key_bytes(k), meta, payload, int(n)) for k, meta, payload, n in entries]
+        rows = [(key_bytes(k), meta, payload, payload_nbytes(k, payload, n)) for k, meta, payload, n in entries]
+        for _, meta, _, n in rows:
+            codec.check_header(meta, n)
         p = self._placement
         batch = t in (None, Tier.DRAM) and p.default_tier is None
         small = [e for e in rows if e[3] <= SMALL_VALUE] if batch else []

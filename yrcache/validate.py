@@ -45,6 +45,23 @@ def priority(priority: Any) -> int:
     return priority
 
 
+def payload_nbytes(key: str, payload: Any, nbytes: Any) -> int:
+    """Validate ``nbytes`` of an encoded payload (an int >= 0) and, when ``payload`` is a
+    buffer rather than a fill function, that it holds exactly that many bytes."""
+    if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__") or operator.index(nbytes) < 0:
+        raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+    nbytes = operator.index(nbytes)
+    if not callable(payload):
+        try:
+            have = memoryview(payload).nbytes
+        except TypeError:
+            raise TypeError(f"{key!r}: the payload must be a function that fills the block or a "
+                            f"contiguous buffer, not {type(payload).__name__}") from None
+        if have != nbytes:
+            raise ValueError(f"{key!r}: a payload of {have} bytes, but nbytes={nbytes}")
+    return nbytes
+
+
 def expire_at(ttl: float | None) -> float:
     if ttl is None:
         return 0.0

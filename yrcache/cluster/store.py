@@ -31,7 +31,7 @@ from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError, StoreNotFoundError
 from ..store import TieredStore
 from ..types import Value
-from ..validate import expire_at as _expire_at, key_bytes, priority as _priority
+from ..validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
@@ -264,14 +264,13 @@ class ClusterStore(NodeSharing, TieredStore):
         key_bytes(key)
         if meta[:1] == b"P":
             raise TypeError("pickled objects never travel between members")
+        nbytes = payload_nbytes(key, fill, nbytes)
         check_wire_meta(meta, nbytes)
         if callable(fill):
             buf = tp.alloc(nbytes)
             fill(np.frombuffer(buf, np.uint8, nbytes))
         else:
             buf = fill
-            if memoryview(buf).nbytes != nbytes:
-                raise ValueError(f"fill is a buffer of {memoryview(buf).nbytes} bytes, not nbytes={nbytes}")
         self._router.put(key, meta, buf, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
                          self._mode(write_mode), sync_timeout, _tier(tier))
         self._ops["puts"] += 1
@@ -284,13 +283,34 @@ class ClusterStore(NodeSharing, TieredStore):
         pairs = list(items.items() if isinstance(items, Mapping) else items)
         for k, _ in pairs:
             key_bytes(k)
+        self._put_encoded([(k, *self._encode(v)) for k, v in pairs], tier, priority, ttl, write_mode, sync_timeout)
+
+    def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
+                 ttl: float | None = None, tier: Tier | None = None, write_mode: WriteMode | str | None = None,
+                 sync_timeout: float | None = None) -> None:
+        """``TieredStore.mput_raw`` for a cluster: encoded objects ``(key, meta, payload,
+        nbytes)`` sent to their owners as ``mset`` sends values."""
+        self._check_open()
+        rows = []
+        for k, meta, payload, n in entries:
+            key_bytes(k)
+            if meta[:1] == b"P":
+                raise TypeError("pickled objects never travel between members")
+            n = payload_nbytes(k, payload, n)
+            if callable(payload):
+                raise TypeError(f"{k!r}: mput_raw takes buffers; use put_with for a fill function")
+            check_wire_meta(meta, n)
+            rows.append((k, meta, payload, n))
+        self._put_encoded(rows, tier, priority, ttl, write_mode, sync_timeout)
+
+    def _put_encoded(self, rows: list[tuple[str, bytes, Any, int]], tier: Tier | None, priority: int,
+                     ttl: float | None, write_mode: WriteMode | str | None, sync_timeout: float | None) -> None:
         pr, exp, mode = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode)
         router = self._router
         router._need_members()
         by_member: dict[str, list] = {}
         flags = 0
-        for k, v in pairs:
-            meta, payload, nbytes = self._encode(v)
+        for k, meta, payload, nbytes in rows:
             version = router.clock.next()
             targets, flags = router.targets(k, mode)
             for m in targets:
@@ -301,7 +321,7 @@ class ClusterStore(NodeSharing, TieredStore):
         failed = router.fan_out(by_member, flags, sync_timeout)
         if failed:
             raise ClusterUnavailableError(f"mset: owners did not take their writes: {'; '.join(failed)}")
-        self._ops["puts"] += len(pairs)
+        self._ops["puts"] += len(rows)
 
     def delete(self, key: str) -> bool:
         """Remove ``key`` from every member; True if one held it."""
@@ -390,6 +410,31 @@ class ClusterStore(NodeSharing, TieredStore):
         if g is None:
             return None
         return g.meta, memoryview(g.buf).cast("B").toreadonly()
+
+    def mget_raw(self, keys: list[str]) -> list[tuple[bytes, memoryview] | None]:
+        """``(meta, payload)`` of several keys as stored (see ``TieredStore.mget_raw``): this
+        node's copies in place, the rest received from their owners as ``mget`` does."""
+        self._check_open()
+        keys = list(keys)
+        for k in keys:
+            key_bytes(k)
+        out: list[tuple[bytes, memoryview] | None] = [None] * len(keys)
+        todo = list(range(len(keys)))
+        if self._local is not None and self._router.member_id in self._router.members:
+            todo = []
+            for i, r in enumerate(self._local.mget_raw(keys)):
+                if r is None:
+                    todo.append(i)
+                else:
+                    out[i] = r
+        router = self._router
+        got = router.mread_all([keys[i] for i in todo],
+                               skip=router.member_id if self._local is not None else None)
+        for i in todo:
+            g = got.get(keys[i])
+            if g is not None:
+                out[i] = (g.meta, memoryview(g.buf).cast("B").toreadonly())
+        return out
 
     def check(self) -> None:
         """``TieredStore.check`` on this node's arena (the other members check their own)."""
