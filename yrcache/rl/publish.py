@@ -35,6 +35,8 @@ def _torch():
 
 
 def _check_version(version: Any) -> int:
+    if type(version) is int and 0 <= version < 10 ** 20:
+        return version
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         raise TypeError(f"version must be a non-negative int, got {type(version).__name__} {version!r}")
     version = int(version)

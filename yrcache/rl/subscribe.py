@@ -132,10 +132,13 @@ class _NoBar:
         pass
 
 
+_NO_BAR = _NoBar()
+
+
 def _progress(total: int, name: str, version: int):
     """A progress bar for a big fetch on a terminal; nothing (not even the import) otherwise."""
     if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
-        return _NoBar()
+        return _NO_BAR
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"{name} v{version}")
@@ -210,6 +213,8 @@ class WeightSubscriber:
         self._prepared = False                      # wait() planned a fetch while idle
         self._lock = threading.Lock()
         self._cached_version: int | None = None     # newest version this process pulled for its node
+        self._last_whole: tuple[bytes, _Compiled] | None = None   # the last whole-state plan
+        self._remote = is_remote(store)             # parts on other machines (a cluster store)
 
     def __reduce__(self):
         return (WeightSubscriber, (self.store, self.name))
@@ -286,6 +291,9 @@ class WeightSubscriber:
 
     def _compile(self, structure: bytes, layout, version: int) -> _Compiled:
         """The fetch plan for ``layout`` over a version structure, cached."""
+        last = self._last_whole
+        if layout is None and last is not None and last[0] == structure:
+            return last[1]          # the common case: the whole state of an unchanged model
         try:
             ck = (structure, tuple(layout.items()) if isinstance(layout, Mapping) else layout)
             hash(ck)
@@ -294,8 +302,12 @@ class WeightSubscriber:
         with self._lock:
             hit = self._compiled.get(ck) if ck is not None else None
         if hit is not None:
+            if layout is None:
+                self._last_whole = (structure, hit)
             return hit
         c = self._targets(decode_structure(structure), layout, version)
+        if layout is None:
+            self._last_whole = (structure, c)
         if ck is not None:
             with self._lock:
                 self._compiled[ck] = c
@@ -385,14 +397,14 @@ class WeightSubscriber:
         marker = self._marker(version)
         c = self._compile(marker["structure"], layout, version)
         into = dict(into) if into else {}
-        extra = [n for n in into if n not in c.names]
+        extra = [n for n in into if n not in c.names] if into else None
         if extra:
             raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
                              f"{sorted(c.names)[:20]})")
         nonces, part_key = marker["nonces"], self.board.part_key
         keys = [part_key(version, rank, nonces[rank], tensor) for tensor, rank in c.refs]
         targets, net = c.targets, {}
-        if is_remote(self.store):                      # parts on other machines: ranged reads
+        if self._remote:                               # parts on other machines: ranged reads
             views = None
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
@@ -412,17 +424,20 @@ class WeightSubscriber:
             self.store.prefault(*(bufs[i][lo:hi] for i, (lo, hi) in spans.items()))
         copied = 0
         out: dict[str, Any] = {}
-        pin = any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
-        reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
-        stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
+        pin = bool(into) and any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
+        stager = None
+        if into:                                       # (only into= destinations are staged)
+            reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
+            stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, self.name, version) as bar:
             for t in targets:
                 out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
                                            into.get(t.name), dtype, stager)
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
-            stager.flush()
-        if pin:
+            if stager is not None:
+                stager.flush()
+        if pin and stager is not None:
             self._pinned = stager.buf
         del views, bufs                                # drop the pins: reclaimable now
         self.last_fetch_stats = {
@@ -453,7 +468,7 @@ class WeightSubscriber:
             drop_older(self.store, self.board, self.name, version, int(marker.get("keep") or 1))
         return targets, bufs, net
 
-    def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager) -> Any:
+    def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager | None) -> Any:
         want = None
         if dtype is not None and t.floating:
             want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
@@ -489,6 +504,7 @@ class WeightSubscriber:
             return dst
         nbytes = math.prod(t.shape) * t.itemsize         # gather in the stored dtype, then cast/move
         torch, sdt = _torch(), _stored_torch_dtype(t)
+        assert stager is not None                        # (made for every fetch with into=)
         staged = stager.take(nbytes)
         _run_plan(t.plan, srcs, staged.numpy())
         typed = staged.view(sdt).view(t.shape) if nbytes else torch.empty(t.shape, dtype=sdt)
