@@ -402,16 +402,16 @@ class Router:
         and read it from the first, in owner order, that holds it. A miss costs two
         round trips, whatever the number of members."""
         owners = self.owners(key)
-        order = [m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
-                 if m != skip]
         errors: list[str] = []
-        if not order:
-            return None
-        got = self._read_from(order[0], key, offset, length, into, owners, errors)
-        if got is not None:
-            return got
-        probes = self._probe(order[1:], key, owners, errors)
-        for m in order[1:]:
+        first = owners[0] if owners and owners[0] != skip else (owners[1] if len(owners) > 1 else None)
+        if first is not None:
+            got = self._read_from(first, key, offset, length, into, owners, errors)
+            if got is not None:
+                return got
+        rest = [m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
+                if m != skip and m != first]
+        probes = self._probe(rest, key, owners, errors)
+        for m in rest:
             hit = probes.get(m)
             if hit is None:
                 continue
