@@ -78,6 +78,25 @@ class TestEmbeddedStore(StoreSuite):
             t.join()
 
 
+def test_interleaved_listings_in_one_thread_each_see_their_own_keys(make_store):
+    """Listings reuse one per-thread buffer: two of them interleaved with puts, gets and
+    batch reads on the same thread still yield exactly their own keys, batch after
+    batch (1,300 keys each: three batches)."""
+    s = make_store(dram="16MiB")
+    s.mset({f"a/{i:05d}": b"x" for i in range(1300)})
+    s.mset({f"b/{i:05d}": b"y" * 100 for i in range(1300)})
+    ga, gb = s.keys("a/"), s.keys("b/")
+    got_a, got_b = [], []
+    for _ in range(1300):
+        got_a.append(next(ga))
+        s.put("c/x", b"z")                 # (a listing of another prefix, a batch read, a delete)
+        assert list(s.keys("c/")) == ["c/x"] and s.delete("c/x")
+        got_b.append(next(gb))
+        assert bytes(s.mget([got_b[-1]])[0]) == b"y" * 100
+    assert next(ga, None) is None and next(gb, None) is None
+    assert got_a == [f"a/{i:05d}" for i in range(1300)] and got_b == [f"b/{i:05d}" for i in range(1300)]
+
+
 def test_get_raw_returns_the_header_and_stored_bytes(store_name, tmp_path):
     with TieredStore(name=store_name, dram="16MiB", ssd=str(tmp_path / "ssd"), ssd_size="64MiB",
                      pickle=True) as s:
