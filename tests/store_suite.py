@@ -669,6 +669,7 @@ class StoreSuite:
             assert gview.tobytes() == memoryview(payload).cast("B").tobytes()[:n]
         np.testing.assert_array_equal(store["raw/big"], values["raw/big"])
         assert store.mget_raw([]) == []
+        assert [g[0] for g in store.mget_raw(k for k in ["raw/b", "raw/a"])] == [rows[0][1], rows[1][1]]
 
     def test_mget_of_many_small_values_beside_large_ones(self, store):
         small = {f"s{i:02d}": np.full(700, i, np.float32) for i in range(40)}   # ~110 KiB in all

@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -175,10 +175,11 @@ class StoreOps:
             if id(e) not in stored:
                 p.put(*e, priority, expire_at, None if t == Tier.HBM else t)
 
-    def mget_raw(self, keys: list[str]) -> list[tuple[bytes, memoryview] | None]:
+    def mget_raw(self, keys: Iterable[str]) -> list[tuple[bytes, memoryview] | None]:
         """``get_raw`` of several keys: small objects copied out under one lock hold,
         larger ones then read one by one (each a pinned view); None where missing."""
         a = self._a
+        keys = list(keys)
         kbs = [key_bytes(k) for k in keys]
         if not kbs:
             return []

@@ -411,7 +411,7 @@ class ClusterStore(NodeSharing, TieredStore):
             return None
         return g.meta, memoryview(g.buf).cast("B").toreadonly()
 
-    def mget_raw(self, keys: list[str]) -> list[tuple[bytes, memoryview] | None]:
+    def mget_raw(self, keys: Iterable[str]) -> list[tuple[bytes, memoryview] | None]:
         """``(meta, payload)`` of several keys as stored (see ``TieredStore.mget_raw``): this
         node's copies in place, the rest received from their owners as ``mget`` does."""
         self._check_open()
