@@ -229,6 +229,7 @@ BAD_ENCODED = [
     (b"B", 3, object(), TypeError, r"a function that fills the block or a contiguous buffer"),
     (b"N;<i8;4", 8, b"12345678", ValueError, r"says 32 bytes, but nbytes=8"),
     (b"N;nonsense;4", 8, b"12345678", ValueError, r"unreadable value header"),
+    ("B", 3, b"abc", TypeError, r"meta must be bytes"),
 ]
 
 

@@ -112,6 +112,18 @@ def test_pickled_objects_never_travel(harness):
         harness.wait_members(c, 1)
         with pytest.raises(TypeError, match="pickled objects never travel"):
             c["obj"] = {"a": 1}
+        with pytest.raises(TypeError, match="pickled objects never travel"):
+            c.put_with("obj", b"P", 3, b"abc")
+        with pytest.raises(TypeError, match="pickled objects never travel"):
+            c.mput_raw([("obj", b"P", b"abc", 3)])
+        # encoded payloads are checked as by the embedded store, before anything is sent
+        for meta, n, payload, exc in ((b"B", 100, b"abc", ValueError), (b"N;<i8;4", 8, b"12345678", ValueError),
+                                      ("B", 3, b"abc", TypeError), (b"B", -1, b"", ValueError)):
+            with pytest.raises(exc):
+                c.put_with("enc", meta, n, payload)
+            with pytest.raises(exc):
+                c.mput_raw([("enc", meta, payload, n)])
+        assert "enc" not in c and "obj" not in c
 
 
 def test_write_modes_and_flush(harness):

@@ -190,6 +190,9 @@ _TORCH_ITEMSIZE = {
 def check_header(meta: bytes, nbytes: int) -> None:
     """Refuse a header that does not parse, or whose shape and dtype imply another
     payload size than ``nbytes`` (``put_with`` and batches of encoded objects)."""
+    if type(meta) is not bytes:
+        raise TypeError(f"meta must be bytes (from codec.array_meta or codec.tensor_meta), not "
+                        f"{type(meta).__name__}")
     try:
         want = _header_nbytes(meta)
     except (CorruptObjectError, ValueError, TypeError):

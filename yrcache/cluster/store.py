@@ -37,7 +37,7 @@ from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
 from .records import Mirror, SharedWord
 from .sharing import NodeSharing
-from .replication import Router, check_wire_meta, decode
+from .replication import Router, decode
 
 log = logging.getLogger("yrcache.cluster")
 _LIVE: dict[int, weakref.ref[ClusterStore]] = {}      # stores to close at exit (a mapping is unhashable)
@@ -262,10 +262,10 @@ class ClusterStore(NodeSharing, TieredStore):
         private buffer (``fill`` may also be that buffer), which is then sent to the owners."""
         self._check_open()
         key_bytes(key)
+        nbytes = payload_nbytes(key, fill, nbytes)
+        codec.check_header(meta, nbytes)
         if meta[:1] == b"P":
             raise TypeError("pickled objects never travel between members")
-        nbytes = payload_nbytes(key, fill, nbytes)
-        check_wire_meta(meta, nbytes)
         if callable(fill):
             buf = tp.alloc(nbytes)
             fill(np.frombuffer(buf, np.uint8, nbytes))
@@ -294,12 +294,12 @@ class ClusterStore(NodeSharing, TieredStore):
         rows = []
         for k, meta, payload, n in entries:
             key_bytes(k)
-            if meta[:1] == b"P":
-                raise TypeError("pickled objects never travel between members")
             n = payload_nbytes(k, payload, n)
             if callable(payload):
                 raise TypeError(f"{k!r}: mput_raw takes buffers; use put_with for a fill function")
-            check_wire_meta(meta, n)
+            codec.check_header(meta, n)
+            if meta[:1] == b"P":
+                raise TypeError("pickled objects never travel between members")
             rows.append((k, meta, payload, n))
         self._put_encoded(rows, tier, priority, ttl, write_mode, sync_timeout)
 
