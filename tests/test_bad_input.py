@@ -230,6 +230,7 @@ BAD_ENCODED = [
     (b"N;<i8;4", 8, b"12345678", ValueError, r"says 32 bytes, but nbytes=8"),
     (b"N;nonsense;4", 8, b"12345678", ValueError, r"unreadable value header"),
     ("B", 3, b"abc", TypeError, r"meta must be bytes"),
+    (b"N;<i8;5", 40, np.arange(10, dtype=np.int64)[::2], ValueError, r"not C-contiguous"),
 ]
 
 

@@ -53,10 +53,14 @@ def payload_nbytes(key: str, payload: Any, nbytes: Any) -> int:
     nbytes = operator.index(nbytes)
     if not callable(payload):
         try:
-            have = memoryview(payload).nbytes
+            view = memoryview(payload)
         except TypeError:
             raise TypeError(f"{key!r}: the payload must be a function that fills the block or a "
                             f"contiguous buffer, not {type(payload).__name__}") from None
+        if not view.c_contiguous:
+            raise ValueError(f"{key!r}: the payload buffer is not C-contiguous; pass "
+                             "numpy.ascontiguousarray(...) of it")
+        have = view.nbytes
         if have != nbytes:
             raise ValueError(f"{key!r}: a payload of {have} bytes, but nbytes={nbytes}")
     return nbytes
