@@ -124,6 +124,8 @@ def test_pickled_objects_never_travel(harness):
             with pytest.raises(exc):
                 c.mput_raw([("enc", meta, payload, n)])
         assert "enc" not in c and "obj" not in c
+        with pytest.raises(NotImplementedError, match="no node arena"):   # (was a FileNotFoundError)
+            c.node_lock("k")
 
 
 def test_write_modes_and_flush(harness):
@@ -588,9 +590,12 @@ def test_refuses_a_public_address_without_a_token():
         tp.Server(tp.Handler(), "0.0.0.0:0", token=None)
 
 
-def test_cluster_argument_errors():
+def test_cluster_argument_errors(monkeypatch):
     with pytest.raises(ValueError, match="etcd://"):
         TieredStore(cluster="http://x:1/c")
+    monkeypatch.delenv("YRCACHE_ETCD", raising=False)
+    with pytest.raises(ValueError, match="set YRCACHE_ETCD"):        # (was a bare KeyError)
+        ClusterStore(member=False)
     with pytest.raises(TypeError, match="cluster store only"):
         TieredStore(cluster=False, replicas=2)
     with pytest.raises(ClusterUnavailableError):

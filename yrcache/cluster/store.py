@@ -66,7 +66,11 @@ def parse_cluster(cluster: str | None) -> tuple[str, str]:
         u = urlparse(cluster)
         name = u.path.strip("/") or os.environ.get("YRCACHE_CLUSTER") or "default"
         return u.netloc, name
-    return os.environ["YRCACHE_ETCD"], os.environ.get("YRCACHE_CLUSTER") or "default"
+    endpoints = os.environ.get("YRCACHE_ETCD")
+    if not endpoints:
+        raise ValueError("no etcd to join: pass cluster='etcd://host:port/name' or set YRCACHE_ETCD "
+                         "(and YRCACHE_CLUSTER) in the environment")
+    return endpoints, os.environ.get("YRCACHE_CLUSTER") or "default"
 
 
 def _env_int(name: str, default: int) -> int:
@@ -542,6 +546,13 @@ class ClusterStore(NodeSharing, TieredStore):
         if self._local is None:
             raise NotImplementedError("a pure cluster client (member=False) has no local words")
         return self._local.word(name)
+
+    def node_lock(self, key: str) -> Any:
+        """``TieredStore.node_lock`` on this node's arena (a member or attached process)."""
+        if self._local is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
+                                      "node_lock needs a process on a member's machine")
+        return self._local.node_lock(key)
 
     def pin_host_memory(self) -> None:
         if self._local is not None:
