@@ -83,18 +83,20 @@ class Node(tp.Handler):
                 if skip is not None:
                     skip()
                 return tp.SAME if version == cur else tp.STALE
-            ttl = None if not expire_at else max(expire_at - time.time(), 1e-3)
-            t = (flags >> tp.TIER_SHIFT) & 7
-            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl,
-                                tier=Tier(t - 1) if t else None)
-            self.versions[key] = version
-            self.tombs.pop(key, None)
-            if flags & tp.F_SINGLE:
-                self.single.add(key)
-            else:
-                self.single.discard(key)
+            ttl, tier = _ttl_tier(expire_at, flags)
+            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl, tier=tier)
+            self._applied(key, version, flags)
         self.router.clock.observe(version[0])
         return tp.OK
+
+    def _applied(self, key: str, version: Version, flags: int) -> None:
+        """Remember that ``key`` is stored here at ``version`` (under its lock)."""
+        self.versions[key] = version
+        self.tombs.pop(key, None)
+        if flags & tp.F_SINGLE:
+            self.single.add(key)
+        else:
+            self.single.discard(key)
 
     def remove(self, key: str, version: Version) -> int:
         with self.lock(key):
@@ -154,16 +156,15 @@ class Node(tp.Handler):
                 try:
                     check_wire_meta(f.meta, f.plen)
                 except ValueError as e:
-                    log.info("mput item %r refused: %s", f.key[:80], e)
+                    statuses[i] = tp.refused(f"put of {f.key[:80]!r}", e)
                     continue
                 cur = self.current(f.key)
                 if cur is not None and f.version <= cur:
                     statuses[i] = tp.SAME if f.version == cur else tp.STALE
                     continue
-                groups.setdefault((f.priority, f.expire_at, (f.flags >> tp.TIER_SHIFT) & 7), []).append(i)
-            for (priority, expire_at, t), idx in groups.items():
-                ttl = None if not expire_at else max(expire_at - time.time(), 1e-3)
-                tier = Tier(t - 1) if t else None
+                groups.setdefault((f.priority, f.expire_at, f.flags & (7 << tp.TIER_SHIFT)), []).append(i)
+            for (priority, expire_at, tflags), idx in groups.items():
+                ttl, tier = _ttl_tier(expire_at, tflags)
                 try:
                     self.local.mput_raw([(items[i][0].key, items[i][0].meta, items[i][1], items[i][0].plen)
                                          for i in idx], priority=priority, ttl=ttl, tier=tier)
@@ -175,18 +176,11 @@ class Node(tp.Handler):
                         try:
                             self.local.put_with(f.key, f.meta, f.plen, payload, priority=priority, ttl=ttl, tier=tier)
                             stored.append(i)
-                        except MemoryError:
-                            statuses[i] = tp.FULL
                         except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
-                            log.info("mput item %r refused: %s", f.key[:80], e)
+                            statuses[i] = tp.refused(f"put of {f.key[:80]!r}", e)
                 for i in stored:
                     f = items[i][0]
-                    self.versions[f.key] = f.version
-                    self.tombs.pop(f.key, None)
-                    if f.flags & tp.F_SINGLE:
-                        self.single.add(f.key)
-                    else:
-                        self.single.discard(f.key)
+                    self._applied(f.key, f.version, f.flags)
                     statuses[i] = tp.OK
         finally:
             for _, lk in locks:
@@ -233,6 +227,12 @@ class Node(tp.Handler):
 
     def flush(self, timeout: float) -> bool:
         return self.forwarder.wait(timeout)
+
+
+def _ttl_tier(expire_at: float, flags: int) -> tuple[float | None, Tier | None]:
+    """A frame's expiry as the ttl left, and its tier hint (from ``flags``)."""
+    t = (flags >> tp.TIER_SHIFT) & 7
+    return (None if not expire_at else max(expire_at - time.time(), 1e-3)), (Tier(t - 1) if t else None)
 
 
 class _Worker:

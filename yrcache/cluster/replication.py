@@ -92,6 +92,14 @@ def decode(meta: bytes, buf: Any, nbytes: int) -> Any:
     return codec.decoder(meta)(view if meta[:1] == b"T" else view.toreadonly(), nbytes)
 
 
+def _first(owners: list[str], skip: str | None) -> str | None:
+    """The owner a read asks first: the first one, unless it is ``skip`` (asked locally)."""
+    for m in owners[:2]:
+        if m != skip:
+            return m
+    return None
+
+
 _POOL: list[ThreadPoolExecutor] = []
 
 
@@ -335,11 +343,9 @@ class Router:
         first: dict[str, list[str]] = {}
         owners_of: dict[str, list[str]] = {}
         for k in keys:
-            owners = owners_of[k] = self.owners(k)
-            if owners:
-                m = owners[0] if owners[0] != skip else (owners[1] if len(owners) > 1 else None)
-                if m is not None:
-                    first.setdefault(m, []).append(k)
+            m = _first(owners_of.setdefault(k, self.owners(k)), skip)
+            if m is not None:
+                first.setdefault(m, []).append(k)
         out, failed = self.mread(first)
         rest = [k for k in keys if out.get(k) is None]
         if rest:
@@ -403,7 +409,7 @@ class Router:
         round trips, whatever the number of members."""
         owners = self.owners(key)
         errors: list[str] = []
-        first = owners[0] if owners and owners[0] != skip else (owners[1] if len(owners) > 1 else None)
+        first = _first(owners, skip)
         if first is not None:
             got = self._read_from(first, key, offset, length, into, owners, errors)
             if got is not None:

@@ -1,6 +1,7 @@
 """What a cluster store offers the processes of one node beyond the mapping API:
-shared words, the node's own arena, owners and ranged reads (``yrcache.rl``
-across machines is built on them). ``ClusterStore`` inherits them.
+shared words, the node's own arena (its words, locks and checks), owners and
+ranged reads (``yrcache.rl`` across machines is built on them). ``ClusterStore``
+inherits them.
 """
 
 from __future__ import annotations
@@ -66,6 +67,36 @@ class NodeSharing:
         under ``NODE_PREFIX`` (``"__node__/"``): cluster key listings and rebalancing
         skip them, and a restarted member starts without them."""
         return self._local
+
+    # -- the node's arena: a pure client has none
+    def word(self, name: str) -> Any:
+        """``TieredStore.word`` of this node's arena (a member or attached process)."""
+        if self._local is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no local words")
+        return self._local.word(name)
+
+    def node_lock(self, key: str) -> Any:
+        """``TieredStore.node_lock`` on this node's arena (a member or attached process)."""
+        if self._local is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
+                                      "node_lock needs a process on a member's machine")
+        return self._local.node_lock(key)
+
+    def pin_host_memory(self) -> None:
+        """``TieredStore.pin_host_memory`` of this node's arena (a no-op for a pure client)."""
+        if self._local is not None:
+            self._local.pin_host_memory()
+
+    def prefault(self, *values: Any) -> None:
+        """``TieredStore.prefault`` on this node's arena (a no-op for a pure client)."""
+        if self._local is not None:
+            self._local.prefault(*values)
+
+    def check(self) -> None:
+        """``TieredStore.check`` on this node's arena (the other members check their own)."""
+        self._check_open()
+        if self._local is not None:
+            self._local.check()
 
     def owners(self, key: str) -> list[str]:
         """The member ids that own ``key`` now (the ring's answer, first owner first)."""

@@ -440,12 +440,6 @@ class ClusterStore(NodeSharing, TieredStore):
                 out[i] = (g.meta, memoryview(g.buf).cast("B").toreadonly())
         return out
 
-    def check(self) -> None:
-        """``TieredStore.check`` on this node's arena (the other members check their own)."""
-        self._check_open()
-        if self._local is not None:
-            self._local.check()
-
     def __contains__(self, key: object) -> bool:
         if not isinstance(key, str):
             return False
@@ -541,27 +535,6 @@ class ClusterStore(NodeSharing, TieredStore):
         if i is None or i["tier"] is None:
             raise KeyError(key)
         return i["tier"]
-
-    def word(self, name: str) -> Any:
-        if self._local is None:
-            raise NotImplementedError("a pure cluster client (member=False) has no local words")
-        return self._local.word(name)
-
-    def node_lock(self, key: str) -> Any:
-        """``TieredStore.node_lock`` on this node's arena (a member or attached process)."""
-        if self._local is None:
-            raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
-                                      "node_lock needs a process on a member's machine")
-        return self._local.node_lock(key)
-
-    def pin_host_memory(self) -> None:
-        if self._local is not None:
-            self._local.pin_host_memory()
-
-    def prefault(self, *values: Value) -> None:
-        """``TieredStore.prefault`` on this node's arena (a no-op for a pure client)."""
-        if self._local is not None:
-            self._local.prefault(*values)
 
     # ---- life cycle --------------------------------------------------------------------
     def close(self, handover: bool = False) -> None:

@@ -65,11 +65,8 @@ class Handler:
         for f, payload in items:
             try:
                 out.append(self.put(f, payload, _nothing))
-            except MemoryError:
-                out.append(FULL)
             except Exception as e:   # noqa: BLE001 - this item failed, the batch goes on
-                log.info("mput item %r refused: %s", f.key[:80], e)
-                out.append(ERROR)
+                out.append(refused(f"put of {f.key[:80]!r}", e))
         return out
 
     def get(self, f: Frame) -> Got | None:
@@ -105,6 +102,15 @@ class Handler:
 
 def _nothing() -> None:
     pass
+
+
+def refused(what: str, e: Exception) -> int:
+    """The status of a put (``what``) that raised ``e``: ``FULL`` for no room, else
+    ``ERROR`` (logged)."""
+    if isinstance(e, MemoryError):
+        return FULL
+    log.info("%s refused: %s", what, e)
+    return ERROR
 
 
 class Server:
@@ -325,11 +331,8 @@ class Server:
             return self._put(rd, item)
         except (ConnectionError, ProtocolError):
             raise
-        except MemoryError:
-            return FULL
         except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
-            log.info("mput item %r refused: %s", item.key[:80], e)
-            return ERROR
+            return refused(f"put of {item.key[:80]!r}", e)
 
     def _put_run(self, run: list[tuple[Frame, bytes]]) -> bytes:
         """The statuses of a run of small puts, applied by the handler at once."""
@@ -337,11 +340,8 @@ class Server:
             return b""
         try:
             return bytes(self.handler.put_many(run))
-        except MemoryError:
-            return bytes([FULL]) * len(run)
         except Exception as e:      # noqa: BLE001 - the batch failed as a whole
-            log.info("an mput of %d items refused: %s", len(run), e)
-            return bytes([ERROR]) * len(run)
+            return bytes([refused(f"an mput of {len(run)} items", e)]) * len(run)
 
     def _mget(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
         """Read a batch: the reply's body is an item header, meta and payload per key."""
