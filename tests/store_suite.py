@@ -458,6 +458,11 @@ class StoreSuite:
         with pytest.raises(ValueError):
             v.flags.writeable = True
         assert store["a"][0] == 0
+        # the same for small values read by mget and for other shapes
+        store["m"] = np.ones((2, 3))
+        for got in [*store.mget(["a", "m"]), store["m"]]:
+            with pytest.raises(ValueError):
+                got.flags.writeable = True
 
     def test_memoryview_view_is_read_only(self, store):
         store["b"] = b"abc"

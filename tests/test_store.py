@@ -125,3 +125,57 @@ def test_get_raw_returns_the_header_and_stored_bytes(store_name, tmp_path):
         assert s.mget_raw([]) == []
         del view, got
         s.check()
+
+
+class _Key(str):
+    pass
+
+
+def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
+    """Small gets and puts take one C call (yrcache/_csrc/fast.c); everything they
+    cannot do falls back to the general path.  Both must give the same values,
+    counters and errors, on both sides of every size limit."""
+    s = make_store(dram="16MiB", pickle=True)
+    hot = s._a.hot
+    values = {
+        "b": b"abc", "empty": b"", "ba": bytearray(b"xy"), "mv": memoryview(b"0123")[::2],
+        "i8": np.arange(7, dtype=np.int8), "f8-2d": np.ones((3, 4)), "zero-d": np.array(3.5),
+        "none": np.zeros(0, np.float32), "c16": np.arange(3) * 1j, "obj": {"x": [1, 2]},
+        "4096": np.arange(1024, dtype=np.int32),               # a 4 KiB payload: copied out
+        "4097": np.zeros(4097, np.uint8), "64k": np.ones(64 << 10, np.uint8),
+        "64k+1": np.ones((64 << 10) + 1, np.uint8),            # past the C put: the general path
+        "é/ключ": np.arange(3), _Key("sub"): b"str subclass",
+    }
+    before = s.stats()
+    for k, v in values.items():
+        s[k] = v
+    assert s.stats()["puts"] - before["puts"] == len(values)
+    for k, v in values.items():
+        got = s[k]
+        if isinstance(v, dict):
+            assert got == v
+        else:
+            expect = np.asarray(v) if isinstance(v, np.ndarray) else bytes(v)
+            as_read = np.asarray(got) if isinstance(v, np.ndarray) else bytes(got)
+            assert np.array_equal(as_read, expect)
+            if isinstance(v, np.ndarray):
+                assert (got.shape, got.dtype) == (v.shape, v.dtype)
+            assert (got.flags.writeable if isinstance(got, np.ndarray) else not got.readonly) is False
+    assert s.get("missing", "default") == "default"
+    after = s.stats()
+    assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (len(values), 1)
+    # what the C calls answer themselves, and what they leave to the general path
+    assert hot.read("b")[0] == b"Babc" and hot.read("missing") is None
+    assert hot.read("64k") is False and hot.read(_Key("b")) is False and hot.read("a\x00b") is False
+    assert hot.put("p", b"B", b"x", s._a.slot) is True and s["p"].tobytes() == b"x"
+    assert hot.put("p", b"B", np.ones((2, 2))[:, 0], s._a.slot) is False     # not contiguous
+    assert hot.put("p", b"B", b"x" * ((64 << 10) + 1), s._a.slot) is False
+    # bad keys raise through the general path, as they always did
+    for bad, err in [(b"bytes", TypeError), ("", ValueError), ("a\x00", ValueError),
+                     ("\ud800", ValueError), ("k" * 1025, ValueError)]:
+        with pytest.raises(err):
+            s.get(bad)
+        with pytest.raises(err):
+            s[bad] = b"x"
+    s.close()
+    assert hot.read("b") is False and hot.put("p", b"B", b"x", 1) is False   # the mapping is gone

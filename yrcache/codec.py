@@ -60,12 +60,11 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
     non-contiguous input is made contiguous (one copy) and a device tensor is
     copied to the host.
     """
-    if type(value) is np.ndarray and value.flags.c_contiguous and value.dtype.kind in _NUMPY_KINDS \
-            and value.dtype.byteorder != ">":
-        # The common case first: a contiguous native array needs no copy.
-        sig = (value.dtype, value.shape)
-        meta = _array_metas.get(sig)
-        if meta is not None:
+    if type(value) is np.ndarray:
+        # The common case first: a contiguous array of a (dtype, shape) seen before
+        # (only native numeric dtypes are remembered) needs no copy and no checks.
+        meta = _array_metas.get((value.dtype, value.shape))
+        if meta is not None and value.flags.c_contiguous:
             return meta, value, value.nbytes
     if isinstance(value, (bytes, bytearray)):
         return b"B", value, len(value)
@@ -149,7 +148,8 @@ def decoder(meta: bytes) -> Callable[[Any, int], Any]:
 
             def build_array(buf, n):
                 # over a read-only buffer, so nobody can flip `writeable` back on
-                arr = np.frombuffer(memoryview(buf).toreadonly(), dtype=dtype, count=n // dtype.itemsize)
+                # (positional arguments: numpy's keyword parsing costs a microsecond)
+                arr = np.frombuffer(memoryview(buf).toreadonly(), dtype, n // dtype.itemsize)
                 return arr if flat else arr.reshape(shape)
             return build_array
         if kind == b"T":
@@ -165,6 +165,33 @@ def decoder(meta: bytes) -> Callable[[Any, int], Any]:
     except (ValueError, AttributeError, TypeError) as e:
         raise CorruptObjectError(f"unreadable value header {meta[:80]!r}: {e}") from None
     raise CorruptObjectError(f"unknown value header {meta[:80]!r}")
+
+
+@lru_cache(maxsize=4096)
+def copied_decoder(meta: bytes) -> Callable[[bytes, int, int], Any]:
+    """Return ``f(data, offset, nbytes) -> value`` for a small value copied out
+    of the store into ``data`` (private ``bytes``; cached).
+
+    The hot path of a small get: the value is built straight on the immutable
+    copy, so an array is read-only without a memoryview in between.
+    """
+    kind = meta[:1]
+    if kind == b"N":
+        whole = decoder(meta)             # parses and checks the header once
+        _, dt, shape_s = meta.decode().split(";")
+        dtype = np.dtype(dt)
+        size = dtype.itemsize
+        if "," in shape_s or not shape_s:
+            return lambda data, off, n: whole(memoryview(data)[off:off + n], n)
+
+        def build_flat(data, off, n):
+            return np.frombuffer(data, dtype, n // size, off)
+        return build_flat
+    if kind == b"T":                      # torch has no read-only tensors: a writable copy
+        build = decoder(meta)
+        return lambda data, off, n: build(bytearray(memoryview(data)[off:off + n]), n)
+    build = decoder(meta)
+    return lambda data, off, n: build(memoryview(data)[off:off + n], n)
 
 
 def describe(meta: bytes) -> dict:

@@ -63,6 +63,11 @@ class Placement:
         """Does a put without options go straight to DRAM (the fast path)?"""
         return self.hbm is None and self.default_tier is None
 
+    @property
+    def direct(self) -> bool:
+        """Does a put without options go to DRAM in one call, with no room to make for it?"""
+        return self.hbm is None and self.default_tier is None and self.disk is None and not self.cache
+
     def default_for(self, value: Any) -> Tier | None:
         """The tier a put of ``value`` without ``tier=`` aims at."""
         if self.default_tier == TIER_HBM and not codec.is_tensor(value):
@@ -97,7 +102,7 @@ class Placement:
         fills a flat uint8 array (one copy straight into the arena block)."""
         a = self.a
         is_buffer = not callable(payload)     # a buffer: one C call does it all
-        if is_buffer and self.plain and not self.moves:
+        if is_buffer and self.direct:
             # The common case, kept short: a value into a DRAM-only store.
             if a.put(kb, meta, payload, nbytes, priority, expire_at) is not None:
                 return

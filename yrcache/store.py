@@ -265,15 +265,17 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             ...     s["replay/0"].tolist()
             [0, 1, 2, 3]
         """
-        a = self._a  # noqa: F841 - holds the mapping while the put runs (a close() may drop ours)
-        kb = key_bytes(key)
+        a = self._a    # holds the mapping while the put runs (a close() may drop ours)
         p = self._placement
         if tier is None and ttl is None and write_mode is None and p.plain \
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
-            # The common case, kept short: a host value into DRAM.
+            # The common case, kept short: a host value into DRAM (a small one in one C call).
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            p.put(kb, meta, payload, nbytes, 0, 0.0)
+            if p.direct and a.hot.put(key, meta, payload, a.slot):
+                return
+            p.put(key_bytes(key), meta, payload, nbytes, 0, 0.0)
             return
+        kb = key_bytes(key)
         priority = _priority(priority)
         tier = self._check_tier(tier if tier is not None else p.default_for(value))
         _write_mode(write_mode)
@@ -391,6 +393,14 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             (False, True, 'default')
         """
         a = self._a
+        if self._hbm is None:      # the hot path: a small DRAM value in one C call (else: False)
+            hit = a.hot.read(key)
+            if hit.__class__ is tuple:
+                data, mlen = hit
+                value = self._small_value(data, 0, mlen, len(data) - mlen, key)
+                return codec.private_copy(value) if copy else value
+            if hit is None:
+                return default
         kb = key_bytes(key)
         deadline = None
         while True:
@@ -400,7 +410,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             info, small = got
             if small is not None:      # a small DRAM value, copied out (no pin)
                 mlen = info.meta_len
-                value = self._small_value(small[:mlen], memoryview(small)[mlen:], info.nbytes, key)
+                value = self._small_value(small, 0, mlen, info.nbytes, key)
             else:
                 value = self._value(a, info, key)
             if value is not RETRY:
@@ -411,13 +421,14 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 raise YrcacheError(f"{key!r} could not be read within {HBM_READ_TIMEOUT:.0f} s: it kept "
                                    "moving between tiers, or the process holding it in HBM does not answer")
 
-    def _small_value(self, meta: bytes, body: memoryview, nbytes: int, key: str) -> Any:
-        """The value of a small object copied out by a read: read-only, private."""
-        kind = meta[:1]
-        if kind == b"P" and not self._pickle:
+    def _small_value(self, data: bytes, meta_off: int, meta_len: int, nbytes: int, key: str) -> Any:
+        """The value of a small object copied out by a read into ``data`` (its
+        header at ``meta_off``, its payload right after): read-only, private (a
+        tensor is a writable copy: torch has no read-only tensors; see README)."""
+        meta = data[meta_off:meta_off + meta_len]
+        if meta[:1] == b"P" and not self._pickle:
             raise self._no_pickle(key)
-        # A tensor needs writable memory (torch has no read-only tensors; see README).
-        return codec.decoder(meta)(bytearray(body) if kind == b"T" else body, nbytes)
+        return codec.copied_decoder(meta)(data, meta_off + meta_len, nbytes)
 
     def __getitem__(self, key: str) -> Value:
         """``store[key]``: the value as ``get`` returns it; ``KeyError`` when missing."""
@@ -438,15 +449,12 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         if not kbs:
             return []
         infos, found, copied = a.mread(kbs, small=self._hbm is None)
-        body = memoryview(copied)
         out: list[Any] = []
         try:
             for i, kb in enumerate(kbs):
                 f, info = found[i], infos[i]
                 if f == 2:           # a small DRAM value, copied out (no pin)
-                    mo, po = info.meta_off, info.payload_off
-                    out.append(self._small_value(copied[mo:mo + info.meta_len], body[po:po + info.nbytes],
-                                                 info.nbytes, kb.decode()))
+                    out.append(self._small_value(copied, info.meta_off, info.meta_len, info.nbytes, kb.decode()))
                 else:
                     out.append(self._value(a, info, kb.decode()) if f else None)
         except BaseException:   # the failed one released its pin; release the rest

@@ -25,13 +25,13 @@ def key_bytes(key: Any) -> bytes:
         kb = key.encode()
     except UnicodeEncodeError:
         raise ValueError(f"key {key[:40]!r} is not valid UTF-8 (lone surrogates?)") from None
+    if 0 < len(kb) <= MAX_KEY_BYTES and b"\x00" not in kb:      # the common case, one test
+        return kb
     if not kb:
         raise ValueError("keys must be non-empty strings")
     if len(kb) > MAX_KEY_BYTES:
         raise ValueError(f"key is {len(kb)} UTF-8 bytes; keys may be at most {MAX_KEY_BYTES} bytes")
-    if b"\x00" in kb:
-        raise ValueError(f"key {key[:40]!r} contains a NUL character, which keys may not")
-    return kb
+    raise ValueError(f"key {key[:40]!r} contains a NUL character, which keys may not")
 
 
 def priority(priority: Any) -> int:

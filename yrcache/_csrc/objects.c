@@ -258,6 +258,32 @@ int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinf
     return r;
 }
 
+int64_t yr_read_small(void *base, const char *key, uint32_t klen, char *buf, uint32_t cap, uint32_t *mlen) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    yr_objinfo info;
+    if (lock(h)) return YR_ELOCK;
+    int64_t r = get_locked(h, 0, key, klen, YR_QUIET, now, &info);   /* counted below */
+    if (r == YR_OK) {
+        blk_t *b = AT(h, info.block_off);
+        if (TIER_OF(b) == YR_TIER_DRAM && b->mlen + b->nbytes <= cap) {
+            b->access_count++;
+            b->last_access = now;
+            h->counters[YR_C_HITS]++;
+            memcpy(buf, KEY(b) + b->klen, b->mlen);
+            memcpy(buf + b->mlen, (char *)b + b->payload_rel, b->nbytes);
+            *mlen = b->mlen;
+            r = (int64_t)(b->mlen + b->nbytes);
+        } else {
+            r = YR_EBUFFER;        /* not counted: the caller reads it with yr_read */
+        }
+    } else if (r == YR_ENOTFOUND && !(klen && key[0] == 0)) {
+        h->counters[YR_C_MISSES]++;
+    }
+    unlock(h);
+    return r;
+}
+
 int yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
              yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small) {
     hdr_t *h = H(base);

@@ -19,8 +19,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from .._arena import ffi, lib
+from .._fast import HotPath
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
+from ..validate import MAX_KEY_BYTES
 from .segment import (SHM_DIR, check_name, check_trusted, creation_done, destroy, list_stores,  # noqa: F401
                       no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
@@ -38,6 +40,8 @@ ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPI
           lib.YR_ENOPROCS: "too many attached processes", lib.YR_ELOCK: "the arena lock is unrecoverable",
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
           lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
+_NO_ROOM = (lib.YR_ENOSPC, lib.YR_ETOOBIG)
+_HOT_READ, _HOT_PUT = (int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_small", "yr_put"))
 
 
 def check(rc: int, what: str) -> int:
@@ -170,8 +174,9 @@ def _scratch():
     try:
         return _tls.s
     except AttributeError:
+        small = ffi.new("char[]", SMALL_READ)
         _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"),
-                  ffi.new("yr_objinfo *"), ffi.new("char[]", SMALL_READ), ffi.new("char[]", MREAD_BYTES))
+                  ffi.new("yr_objinfo *"), small, ffi.new("char[]", MREAD_BYTES), ffi.buffer(small))
         return _tls.s
 
 
@@ -207,6 +212,7 @@ class Arena:
                 raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
             self.addr = int(ffi.cast("uintptr_t", self.base))
             self.cbase = ffi.cast("char *", self.base)
+            self.hot = HotPath(_HOT_READ, _HOT_PUT, self.addr, MAX_KEY_BYTES, SMALL_READ)   # a small get or put in one C call
             self.mapped = True
             if self.created:
                 if npins is None:
@@ -373,7 +379,7 @@ class Arena:
         d.alloc_bytes, d.nbytes, d.priority, d.expire_at = alloc, nbytes, priority, expire_at
         d.access_count, d.gen, d.tier, d.holder = access_count, gen, tier, holder
         off = lib.yr_reserve(self.base, self.slot, kb, len(kb), meta, len(meta), d, poff)
-        if off in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+        if off in _NO_ROOM:
             return None
         check(off, "reserve")
         if alloc >= POPULATE_MIN and not self.prefaulted:
@@ -381,11 +387,8 @@ class Arena:
         return Reservation(self, off, poff[0], alloc)
 
     def advise_huge(self) -> bool:
-        """Ask for transparent huge pages on this mapping (``MADV_HUGEPAGE``);
-        True if the kernel took the advice.  It backs the segment with
-        them only where /dev/shm is mounted with ``huge=advise`` (or
-        ``within_size``/``always``); the sysfs ``shmem_enabled`` knob does
-        not govern /dev/shm."""
+        """Ask for transparent huge pages on this mapping (``MADV_HUGEPAGE``); True if taken.  They
+        back it only where /dev/shm is mounted ``huge=advise``/``within_size``/``always``."""
         self.huge_pages = lib.yr_advise_huge(self.base, self.size) == 0
         return self.huge_pages
 
@@ -402,10 +405,10 @@ class Arena:
         runs outside the arena lock, without the GIL); what it replaced, or None
         when no block fits."""
         out = _scratch()[1]
-        populate = int(nbytes >= POPULATE_MIN and not self.prefaulted)
+        populate = nbytes >= POPULATE_MIN and not self.prefaulted
         rc = lib.yr_put(self.base, self.slot, kb, len(kb), meta, len(meta),
                         ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, populate, out)
-        if rc in (lib.YR_ENOSPC, lib.YR_ETOOBIG):
+        if rc in _NO_ROOM:
             return None
         check(rc, "put")
         return out
@@ -451,10 +454,10 @@ class Arena:
         taken), or None when ``info`` is a pinned lookup (the scratch record, as
         ``get``'s)."""
         scratch = _scratch()
-        info, buf = scratch[3], scratch[4]
-        rc = lib.yr_read(self.base, self.slot, kb, len(kb), info, buf, SMALL_READ if small else 0)
+        info = scratch[3]
+        rc = lib.yr_read(self.base, self.slot, kb, len(kb), info, scratch[4], SMALL_READ if small else 0)
         if rc == 1:
-            return info, ffi.unpack(buf, info.meta_len + info.nbytes)
+            return info, scratch[6][:info.meta_len + info.nbytes]   # bytes (a slice of ffi.buffer)
         if rc == 0:
             return info, None
         if rc == lib.YR_ENOTFOUND:
@@ -490,9 +493,8 @@ class Arena:
         return lib.yr_contains(self.base, kb, len(kb)) == 1
 
     def delete(self, kb: bytes, expected: int = ANY_SEQ) -> tuple[bool, Any]:
-        """Remove ``kb`` (if it is still the object ``expected``): (whether a
-        live object was deleted, what left the index: an expired object
-        leaves it too, but was not there to delete: valid until this thread's next call)."""
+        """Remove ``kb`` (if still the object ``expected``): (whether a live object was deleted, what left
+        the index -- an expired object too, not counted as deleted; valid until this thread's next call)."""
         out = _scratch()[1]
         return lib.yr_delete(self.base, kb, len(kb), expected, out) == 0, out
 
@@ -522,14 +524,13 @@ class Arena:
     # ----------------------------------------------------------- iteration
 
     def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
-        """Keys starting with ``prefix`` in byte order, from the sorted index: a
-        batch of at most 512 per lock hold, each batch a logarithmic search
-        plus its matches; ``alive()`` runs before each batch (and may raise)."""
+        """Keys starting with ``prefix`` in byte order from the sorted index: at most 512 per lock hold,
+        each batch a logarithmic search plus its matches; ``alive()`` runs before each batch (may raise)."""
         after, size = b"", MREAD_BYTES
         while True:
             if alive is not None:
                 alive()
-            _, _, more, _, _, buf = _scratch()      # parsed before we yield: reusable
+            _, _, more, _, _, buf, _ = _scratch()      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 512, more)
             check(n, "keys")
             raw, last = ffi.buffer(buf, size), not more[0]
@@ -614,6 +615,7 @@ class Arena:
     def _unmap(self) -> None:
         if self.mapped:
             self.mapped = False
+            self.hot.close()
             lib.yr_unmap(self.base, self.size)
         if self._fd >= 0:
             os.close(self._fd)
