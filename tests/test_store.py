@@ -143,7 +143,7 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
         "none": np.zeros(0, np.float32), "c16": np.arange(3) * 1j, "obj": {"x": [1, 2]},
         "4096": np.arange(1024, dtype=np.int32),               # a 4 KiB payload: copied out
         "4097": np.zeros(4097, np.uint8), "64k": np.ones(64 << 10, np.uint8),
-        "64k+1": np.ones((64 << 10) + 1, np.uint8),            # past the C put: the general path
+        "1m": np.ones((1 << 20) + 1, np.uint8),
         "é/ключ": np.arange(3), _Key("sub"): b"str subclass",
     }
     before = s.stats()
@@ -167,9 +167,9 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
     # what the C calls answer themselves, and what they leave to the general path
     assert hot.read("b")[0] == b"Babc" and hot.read("missing") is None
     assert hot.read("64k") is False and hot.read(_Key("b")) is False and hot.read("a\x00b") is False
-    assert hot.put("p", b"B", b"x", s._a.slot) is True and s["p"].tobytes() == b"x"
-    assert hot.put("p", b"B", np.ones((2, 2))[:, 0], s._a.slot) is False     # not contiguous
-    assert hot.put("p", b"B", b"x" * ((64 << 10) + 1), s._a.slot) is False
+    assert hot.put("p", b"B", b"x", s._a.slot, True) is True and s["p"].tobytes() == b"x"
+    assert hot.put("p", b"B", np.ones((2, 2))[:, 0], s._a.slot, True) is False     # not contiguous
+    assert hot.put("p", b"B", b"x" * (s._a.capacity + 1), s._a.slot, True) is False  # no room
     # bad keys raise through the general path, as they always did
     for bad, err in [(b"bytes", TypeError), ("", ValueError), ("a\x00", ValueError),
                      ("\ud800", ValueError), ("k" * 1025, ValueError)]:
@@ -178,4 +178,4 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
         with pytest.raises(err):
             s[bad] = b"x"
     s.close()
-    assert hot.read("b") is False and hot.put("p", b"B", b"x", 1) is False   # the mapping is gone
+    assert hot.read("b") is False and hot.put("p", b"B", b"x", 1, True) is False   # gone

@@ -7,7 +7,7 @@ class HotPath:
     def __init__(self, read_small: int, put: int, base: int, max_key: int, cap: int) -> None: ...
     def read(self, key: Any, /) -> tuple[bytes, int] | None | Literal[False]:
         """(header + payload, header length) of a small DRAM value, None for a miss, else False."""
-    def put(self, key: Any, meta: bytes, payload: Any, slot: int, /) -> bool:
-        """True once a payload of at most 64 KiB is stored in DRAM, else False (general path)."""
+    def put(self, key: Any, meta: bytes, payload: Any, slot: int, prefaulted: bool, /) -> bool:
+        """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""

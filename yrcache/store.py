@@ -271,7 +271,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
             # The common case, kept short: a host value into DRAM (a small one in one C call).
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            if p.direct and a.hot.put(key, meta, payload, a.slot):
+            if p.direct and a.hot.put(key, meta, payload, a.slot, a.prefaulted):
                 return
             p.put(key_bytes(key), meta, payload, nbytes, 0, 0.0)
             return

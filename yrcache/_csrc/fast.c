@@ -10,8 +10,8 @@
  *
  * read(key) returns (data, meta_len) for a small DRAM object copied out (data:
  * its codec header then its payload, private bytes) and None when the key is
- * missing.  put(key, meta, payload, slot) stores a payload of at most 64 KiB in
- * DRAM and returns True.  Both return False whenever the caller must take the
+ * missing.  put(key, meta, payload, slot, prefaulted) stores a payload in DRAM
+ * and returns True.  Both return False whenever the caller must take the
  * general path: a key that is not a plain valid str (the general path raises
  * the right error), an object that is not small or not in DRAM, no room, a
  * payload that is not one contiguous buffer, or any error code. */
@@ -23,7 +23,7 @@
 #include "arena.h"      /* declarations only: the functions are reached through addresses */
 
 #define CAP_MAX 8192             /* the largest copy a read takes (on the C stack) */
-#define PUT_MAX (64 << 10)       /* the largest put taken here: copied under the lock, no populate */
+#define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
 
 typedef struct {
     PyObject_HEAD
@@ -99,8 +99,8 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
 }
 
 static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "put(key, meta, payload, slot) takes 4 arguments");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "put(key, meta, payload, slot, prefaulted) takes 5 arguments");
         return NULL;
     }
     Py_ssize_t klen;
@@ -113,14 +113,13 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
-    int r = YR_ENOSPC;
-    if (view.len <= PUT_MAX) {
-        yr_retired out;
-        Py_BEGIN_ALLOW_THREADS
-        r = self->put(self->base, (uint32_t)slot, kb, (uint32_t)klen, PyBytes_AS_STRING(args[1]),
-                      (uint32_t)PyBytes_GET_SIZE(args[1]), view.buf, (uint64_t)view.len, 0, 0.0, 0, &out);
-        Py_END_ALLOW_THREADS
-    }
+    int populate = !PyObject_IsTrue(args[4]) && view.len >= POPULATE_MIN;
+    yr_retired out;
+    int r;
+    Py_BEGIN_ALLOW_THREADS   /* a large copy runs outside the arena lock and without the GIL */
+    r = self->put(self->base, (uint32_t)slot, kb, (uint32_t)klen, PyBytes_AS_STRING(args[1]),
+                  (uint32_t)PyBytes_GET_SIZE(args[1]), view.buf, (uint64_t)view.len, 0, 0.0, populate, &out);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
     if (r == YR_OK) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
@@ -136,8 +135,8 @@ static PyMethodDef HotPath_methods[] = {
      "read(key) -> (data, meta_len) | None | False: a small DRAM value copied out, a miss, "
      "or False (take the general path)."},
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
-     "put(key, meta, payload, slot) -> bool: a payload of at most 64 KiB stored in DRAM with "
-     "priority 0 and no ttl, or False (take the general path)."},
+     "put(key, meta, payload, slot, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
+     "and no ttl, or False (take the general path)."},
     {"close", (PyCFunction)HotPath_close, METH_NOARGS,
      "close(): forget the mapping; later calls return False."},
     {NULL, NULL, 0, NULL},
