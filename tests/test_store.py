@@ -166,10 +166,15 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
     assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (len(values), 1)
     # what the C calls answer themselves, and what they leave to the general path
     assert hot.read("b")[0] == b"Babc" and hot.read("missing") is None
-    assert hot.read("64k") is False and hot.read(_Key("b")) is False and hot.read("a\x00b") is False
-    assert hot.put("p", b"B", b"x", s._a.slot, True) is True and s["p"].tobytes() == b"x"
-    assert hot.put("p", b"B", np.ones((2, 2))[:, 0], s._a.slot, True) is False     # not contiguous
-    assert hot.put("p", b"B", b"x" * (s._a.capacity + 1), s._a.slot, True) is False  # no room
+    meta, off, n, pin, block = hot.read("64k")           # pinned: the caller releases the pin
+    assert (meta, n) == (b"N;|u1;65536", 64 << 10) and s.stats()["pinned_bytes"] >= n
+    assert s._a.pinned_buffer(off, n, pin, block)[:3] == b"\x01\x01\x01"
+    gc.collect()
+    assert s.stats()["pinned_bytes"] == 0
+    assert hot.read(_Key("b")) is False and hot.read("a\x00b") is False
+    assert hot.put("p", b"B", b"x", True) is True and s["p"].tobytes() == b"x"
+    assert hot.put("p", b"B", np.ones((2, 2))[:, 0], True) is False     # not contiguous
+    assert hot.put("p", b"B", b"x" * (s._a.capacity + 1), True) is False  # no room
     # bad keys raise through the general path, as they always did
     for bad, err in [(b"bytes", TypeError), ("", ValueError), ("a\x00", ValueError),
                      ("\ud800", ValueError), ("k" * 1025, ValueError)]:
@@ -178,4 +183,4 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
         with pytest.raises(err):
             s[bad] = b"x"
     s.close()
-    assert hot.read("b") is False and hot.put("p", b"B", b"x", 1, True) is False   # gone
+    assert hot.read("b") is False and hot.put("p", b"B", b"x", True) is False   # gone

@@ -4,10 +4,14 @@ from typing import Any, Literal
 class HotPath:
     """Small gets and puts of one arena mapping, each in one C call (made by tiers/dram.py)."""
 
-    def __init__(self, read_small: int, put: int, base: int, max_key: int, cap: int) -> None: ...
-    def read(self, key: Any, /) -> tuple[bytes, int] | None | Literal[False]:
-        """(header + payload, header length) of a small DRAM value, None for a miss, else False."""
-    def put(self, key: Any, meta: bytes, payload: Any, slot: int, prefaulted: bool, /) -> bool:
+    slot: int
+    """This process's slot in the arena (0: none yet, e.g. in a child right after fork)."""
+
+    def __init__(self, read: int, put: int, base: int, max_key: int, cap: int) -> None: ...
+    def read(self, key: Any, /) -> tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
+        """(header + payload, header length) of a small DRAM value; (header, payload offset,
+        size, pin, block) of a larger one it pinned; None for a miss; else False."""
+    def put(self, key: Any, meta: bytes, payload: Any, prefaulted: bool, /) -> bool:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""

@@ -271,7 +271,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
             # The common case, kept short: a host value into DRAM (a small one in one C call).
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            if p.direct and a.hot.put(key, meta, payload, a.slot, a.prefaulted):
+            if p.direct and a.hot.put(key, meta, payload, a.prefaulted):
                 return
             p.put(key_bytes(key), meta, payload, nbytes, 0, 0.0)
             return
@@ -370,6 +370,15 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             raise self._no_pickle(key)
         return self._placement.read(key, info, meta, codec.decoder(meta))
 
+    def _pinned_value(self, a: Arena, hit: tuple, key: str) -> Any:
+        """The view of a DRAM object the hot path pinned (consumes the pin)."""
+        meta, offset, nbytes, pin, block = hit
+        if meta[:1] == b"P" and not self._pickle:
+            a.unpin(pin)
+            raise self._no_pickle(key)
+        buf = a.pinned_buffer(offset, nbytes, pin, block)   # from here the pin goes with buf
+        return codec.decoder(meta)(buf, nbytes)
+
     def _no_pickle(self, key: str | None) -> UntrustedStoreError:
         return UntrustedStoreError(
             f"{key!r} holds a pickled object, and this handle of store {self.name!r} was opened "
@@ -393,11 +402,14 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             (False, True, 'default')
         """
         a = self._a
-        if self._hbm is None:      # the hot path: a small DRAM value in one C call (else: False)
+        if self._hbm is None:      # the hot path: a DRAM value or a miss in one C call (else: False)
             hit = a.hot.read(key)
             if hit.__class__ is tuple:
-                data, mlen = hit
-                value = self._small_value(data, 0, mlen, len(data) - mlen, key)
+                if len(hit) == 2:  # (header + payload, header length): a small value copied out
+                    data, mlen = hit
+                    value = self._small_value(data, 0, mlen, len(data) - mlen, key)
+                else:              # (header, payload offset, size, pin, block): a pinned one
+                    value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
             if hit is None:
                 return default

@@ -184,11 +184,10 @@ int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags
  * Returns 1 when it copied, 0 when it pinned. */
 int  yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
              uint32_t cap);
-/* the hot path of a get (called from _fast.c, no pin): a DRAM object whose codec
- * header and payload fit in `cap` bytes copied into buf (header first, its
- * length in *mlen); returns the bytes copied, YR_ENOTFOUND, or YR_EBUFFER when
- * the object is there but not such a one (nothing counted: yr_read it). */
-int64_t yr_read_small(void *base, const char *key, uint32_t klen, char *buf, uint32_t cap, uint32_t *mlen);
+/* yr_read for the hot path of a get (_fast.c): the same, except that an object
+ * not in DRAM is left alone and not counted (YR_EBUFFER: yr_read it) */
+int  yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
+                  uint32_t cap);
 /* a batch of reads under one lock hold (keys packed back to back, lengths in
  * klens): found[i] is 0 (missing), 1 (pinned, as yr_read) or 2 (a DRAM object whose header and payload fit in `small`
  * bytes, copied into buf while room remains: its header at out[i].meta_off,

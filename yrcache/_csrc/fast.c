@@ -5,20 +5,23 @@
  * arguments, reading result fields one attribute at a time).  A HotPath does
  * the key checks, the call and the result in one C function.  It does not link
  * against the arena core (a second extension, loaded RTLD_LOCAL): tiers/dram.py
- * hands it the addresses of yr_read_small, yr_put and the mapping, and closes
- * it before the mapping goes.
+ * hands it the addresses of yr_read_dram, yr_put and the mapping, sets `slot`
+ * (this process's slot; 0 after a fork until the child has its own), and
+ * closes it before the mapping goes.
  *
  * read(key) returns (data, meta_len) for a small DRAM object copied out (data:
- * its codec header then its payload, private bytes) and None when the key is
- * missing.  put(key, meta, payload, slot, prefaulted) stores a payload in DRAM
- * and returns True.  Both return False whenever the caller must take the
- * general path: a key that is not a plain valid str (the general path raises
- * the right error), an object that is not small or not in DRAM, no room, a
+ * its codec header then its payload, private bytes); (meta, payload_off,
+ * nbytes, pin, block_off) for a larger DRAM object it pinned under `slot`; and
+ * None when the key is missing.  put(key, meta, payload, prefaulted) stores a
+ * payload in DRAM and returns True.  Both return False whenever the caller
+ * must take the general path: a key that is not a plain valid str (the general
+ * path raises the right error), an object not in DRAM, no slot, no room, a
  * payload that is not one contiguous buffer, or any error code. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#include <structmember.h>
 
 #include "arena.h"      /* declarations only: the functions are reached through addresses */
 
@@ -27,26 +30,28 @@
 
 typedef struct {
     PyObject_HEAD
-    __typeof__(&yr_read_small) read_small;
+    __typeof__(&yr_read_dram) read;
     __typeof__(&yr_put) put;
     void *base;
+    unsigned int slot;
     Py_ssize_t max_key;
     uint32_t cap;
 } HotPath;
 
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
-    unsigned long long read_small, put, base;
+    unsigned long long read, put, base;
     Py_ssize_t max_key;
     unsigned int cap;
-    static char *kwlist[] = {"read_small", "put", "base", "max_key", "cap", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKnI", kwlist, &read_small, &put, &base, &max_key, &cap))
+    static char *kwlist[] = {"read", "put", "base", "max_key", "cap", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKnI", kwlist, &read, &put, &base, &max_key, &cap))
         return -1;
-    if (!read_small || !put || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
-        PyErr_SetString(PyExc_ValueError, "HotPath(read_small, put, base, max_key, cap): addresses must "
+    if (!read || !put || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
+        PyErr_SetString(PyExc_ValueError, "HotPath(read, put, base, max_key, cap): addresses must "
                                           "be set, max_key > 0 and 0 < cap <= 8192");
         return -1;
     }
-    self->read_small = (__typeof__(&yr_read_small))(uintptr_t)read_small;
+    self->read = (__typeof__(&yr_read_dram))(uintptr_t)read;
+    self->slot = 0;
     self->put = (__typeof__(&yr_put))(uintptr_t)put;
     self->base = (void *)(uintptr_t)base;
     self->max_key = max_key;
@@ -56,7 +61,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
 
 /* The UTF-8 bytes of a valid key (cached in the str: no copy), or NULL. */
 static const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
-    if (!self->base || !PyUnicode_CheckExact(key)) return NULL;
+    if (!self->base || !self->slot || !PyUnicode_CheckExact(key)) return NULL;
     const char *kb = PyUnicode_AsUTF8AndSize(key, klen);
     if (!kb) {                       /* lone surrogates: the general path says so */
         PyErr_Clear();
@@ -71,53 +76,43 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     const char *kb = key_of(self, key, &klen);
     if (!kb) Py_RETURN_FALSE;
     char buf[CAP_MAX];
-    uint32_t mlen = 0;
-    int64_t r;
+    yr_objinfo info;
+    int r;
     Py_BEGIN_ALLOW_THREADS   /* the arena lock may be contended: let other threads run */
-    r = self->read_small(self->base, kb, (uint32_t)klen, buf, self->cap, &mlen);
+    r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap);
     Py_END_ALLOW_THREADS
-    if (r <= 0) {
-        if (r == YR_ENOTFOUND) Py_RETURN_NONE;
-        Py_RETURN_FALSE;
+    if (r == 1) {            /* copied out: (header + payload, header length) */
+        PyObject *data = PyBytes_FromStringAndSize(buf, (Py_ssize_t)info.meta_len + (Py_ssize_t)info.nbytes);
+        return data ? Py_BuildValue("(NI)", data, info.meta_len) : NULL;
     }
-    PyObject *data = PyBytes_FromStringAndSize(buf, (Py_ssize_t)r);
-    if (!data) return NULL;
-    PyObject *m = PyLong_FromUnsignedLong(mlen);
-    if (!m) {
-        Py_DECREF(data);
-        return NULL;
+    if (r == 0) {            /* pinned: the caller owns the pin from here on */
+        PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + info.meta_off, info.meta_len);
+        return meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)info.payload_off,
+                                    (unsigned long long)info.nbytes, info.pin,
+                                    (unsigned long long)info.block_off) : NULL;
     }
-    PyObject *out = PyTuple_New(2);
-    if (!out) {
-        Py_DECREF(data);
-        Py_DECREF(m);
-        return NULL;
-    }
-    PyTuple_SET_ITEM(out, 0, data);
-    PyTuple_SET_ITEM(out, 1, m);
-    return out;
+    if (r == YR_ENOTFOUND) Py_RETURN_NONE;
+    Py_RETURN_FALSE;
 }
 
 static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "put(key, meta, payload, slot, prefaulted) takes 5 arguments");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "put(key, meta, payload, prefaulted) takes 4 arguments");
         return NULL;
     }
     Py_ssize_t klen;
     const char *kb = key_of(self, args[0], &klen);
     if (!kb || !PyBytes_CheckExact(args[1])) Py_RETURN_FALSE;
-    unsigned long slot = PyLong_AsUnsignedLong(args[3]);
-    if (slot == (unsigned long)-1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[2], &view, PyBUF_SIMPLE) < 0) {   /* not one contiguous buffer */
         PyErr_Clear();
         Py_RETURN_FALSE;
     }
-    int populate = !PyObject_IsTrue(args[4]) && view.len >= POPULATE_MIN;
+    int populate = !PyObject_IsTrue(args[3]) && view.len >= POPULATE_MIN;
     yr_retired out;
     int r;
     Py_BEGIN_ALLOW_THREADS   /* a large copy runs outside the arena lock and without the GIL */
-    r = self->put(self->base, (uint32_t)slot, kb, (uint32_t)klen, PyBytes_AS_STRING(args[1]),
+    r = self->put(self->base, self->slot, kb, (uint32_t)klen, PyBytes_AS_STRING(args[1]),
                   (uint32_t)PyBytes_GET_SIZE(args[1]), view.buf, (uint64_t)view.len, 0, 0.0, populate, &out);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -132,26 +127,32 @@ static PyObject *HotPath_close(HotPath *self, PyObject *unused) {
 
 static PyMethodDef HotPath_methods[] = {
     {"read", (PyCFunction)HotPath_read, METH_O,
-     "read(key) -> (data, meta_len) | None | False: a small DRAM value copied out, a miss, "
-     "or False (take the general path)."},
+     "read(key) -> (data, meta_len) | (meta, payload_off, nbytes, pin, block_off) | None | False: "
+     "a small DRAM value copied out, a larger one pinned, a miss, or False (take the general path)."},
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
-     "put(key, meta, payload, slot, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
+     "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},
     {"close", (PyCFunction)HotPath_close, METH_NOARGS,
      "close(): forget the mapping; later calls return False."},
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef HotPath_members[] = {
+    {"slot", T_UINT, offsetof(HotPath, slot), 0, "this process's slot in the arena (0: none yet)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject HotPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "yrcache._fast.HotPath",
-    .tp_doc = "HotPath(read_small, put, base, max_key, cap): small gets and puts of one arena "
-              "mapping, each in one C call.",
+    .tp_doc = "HotPath(read, put, base, max_key, cap): gets and puts of one arena mapping, "
+              "each in one C call.",
     .tp_basicsize = sizeof(HotPath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)HotPath_init,
     .tp_methods = HotPath_methods,
+    .tp_members = HotPath_members,
 };
 
 static struct PyModuleDef fastmodule = {

@@ -230,56 +230,51 @@ int yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags,
     return r;
 }
 
-int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
-            uint32_t cap) {
-    hdr_t *h = H(base);
-    double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+/* A read under the lock: copy a small DRAM object into buf (returns 1), else
+ * pin it (returns 0) -- or, with dram_only, return YR_EBUFFER for an object
+ * that is not in DRAM, counted as nothing (the caller reads it with yr_read). */
+static int read_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, double now,
+                       yr_objinfo *out, char *buf, uint32_t cap, int dram_only) {
     int r = get_locked(h, slot, key, klen, YR_QUIET, now, out);   /* counted below */
     if (r == YR_OK) {
         blk_t *b = AT(h, out->block_off);
-        b->access_count++;
-        b->last_access = now;
-        h->counters[YR_C_HITS]++;
-        out->access_count = b->access_count;
-        if (TIER_OF(b) == YR_TIER_DRAM && b->mlen + b->nbytes <= cap) {
+        int dram = TIER_OF(b) == YR_TIER_DRAM;
+        if (dram_only && !dram) return YR_EBUFFER;
+        if (dram && b->mlen + b->nbytes <= cap) {
             memcpy(buf, KEY(b) + b->klen, b->mlen);
             memcpy(buf + b->mlen, (char *)b + b->payload_rel, b->nbytes);
             r = 1;
         } else {
             int p = pin_locked(h, slot, out->block_off);
-            if (p < 0) r = p;
-            else out->pin = (uint32_t)p;
+            if (p < 0) return p;
+            out->pin = (uint32_t)p;
         }
+        b->access_count++;
+        b->last_access = now;
+        h->counters[YR_C_HITS]++;
+        out->access_count = b->access_count;
     } else if (r == YR_ENOTFOUND && !(klen && key[0] == 0)) {
         h->counters[YR_C_MISSES]++;
     }
+    return r;
+}
+
+int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
+            uint32_t cap) {
+    hdr_t *h = H(base);
+    double now = now_realtime();
+    if (lock(h)) return YR_ELOCK;
+    int r = read_locked(h, slot, key, klen, now, out, buf, cap, 0);
     unlock(h);
     return r;
 }
 
-int64_t yr_read_small(void *base, const char *key, uint32_t klen, char *buf, uint32_t cap, uint32_t *mlen) {
+int yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
+                 uint32_t cap) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    yr_objinfo info;
     if (lock(h)) return YR_ELOCK;
-    int64_t r = get_locked(h, 0, key, klen, YR_QUIET, now, &info);   /* counted below */
-    if (r == YR_OK) {
-        blk_t *b = AT(h, info.block_off);
-        if (TIER_OF(b) == YR_TIER_DRAM && b->mlen + b->nbytes <= cap) {
-            b->access_count++;
-            b->last_access = now;
-            h->counters[YR_C_HITS]++;
-            memcpy(buf, KEY(b) + b->klen, b->mlen);
-            memcpy(buf + b->mlen, (char *)b + b->payload_rel, b->nbytes);
-            *mlen = b->mlen;
-            r = (int64_t)(b->mlen + b->nbytes);
-        } else {
-            r = YR_EBUFFER;        /* not counted: the caller reads it with yr_read */
-        }
-    } else if (r == YR_ENOTFOUND && !(klen && key[0] == 0)) {
-        h->counters[YR_C_MISSES]++;
-    }
+    int r = read_locked(h, slot, key, klen, now, out, buf, cap, 1);
     unlock(h);
     return r;
 }

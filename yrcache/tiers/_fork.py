@@ -65,6 +65,7 @@ def _after_fork_in_child() -> None:
 
 def _adopt_in_child(arena) -> None:
     """Own the pins the parent took for us; register a slot lazily otherwise."""
+    arena.hot.slot = 0       # the C hot paths wait for the child's own slot
     arena._lock = threading.Lock()
     arena.is_owner = False   # ownership stays with the process that created the store
     arena.handle = False     # the parent's handle; a child's store object re-opens it

@@ -41,7 +41,7 @@ ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPI
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
           lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
 _NO_ROOM = (lib.YR_ENOSPC, lib.YR_ETOOBIG)
-_HOT_READ, _HOT_PUT = (int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_small", "yr_put"))
+_HOT_READ, _HOT_PUT = (int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_dram", "yr_put"))
 
 
 def check(rc: int, what: str) -> int:
@@ -289,7 +289,7 @@ class Arena:
         if slot < 0:
             raise YrcacheError(f"store {self.name!r} has no free process slot (all attached); "
                                "close stores in processes that no longer need them")
-        self._slot = slot
+        self._slot = self.hot.slot = slot
         self.pid = os.getpid()
         self.attached_here = True
         _fork.install_exit_hook()
@@ -610,6 +610,7 @@ class Arena:
         with self._lock:
             if self.mapped and self.attached_here and self.pid == os.getpid():
                 self.attached_here = False
+                self.hot.slot = 0
                 lib.yr_proc_detach(self.base, self._fd, self._slot)
 
     def _unmap(self) -> None:
