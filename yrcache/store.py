@@ -407,7 +407,10 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             if hit.__class__ is tuple:
                 if len(hit) == 2:  # (header + payload, header length): a small value copied out
                     data, mlen = hit
-                    value = self._small_value(data, 0, mlen, len(data) - mlen, key)
+                    meta = data[:mlen]
+                    if meta[:1] == b"P" and not self._pickle:
+                        raise self._no_pickle(key)
+                    value = codec.copied_decoder(meta)(data, mlen, len(data) - mlen)
                 else:              # (header, payload offset, size, pin, block): a pinned one
                     value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
