@@ -150,20 +150,32 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
     for k, v in values.items():
         s[k] = v
     assert s.stats()["puts"] - before["puts"] == len(values)
-    for k, v in values.items():
-        got = s[k]
+    def same(got, v):
         if isinstance(v, dict):
-            assert got == v
-        else:
-            expect = np.asarray(v) if isinstance(v, np.ndarray) else bytes(v)
-            as_read = np.asarray(got) if isinstance(v, np.ndarray) else bytes(got)
-            assert np.array_equal(as_read, expect)
-            if isinstance(v, np.ndarray):
-                assert (got.shape, got.dtype) == (v.shape, v.dtype)
-            assert (got.flags.writeable if isinstance(got, np.ndarray) else not got.readonly) is False
+            return got == v
+        expect = np.asarray(v) if isinstance(v, np.ndarray) else bytes(v)
+        as_read = np.asarray(got) if isinstance(v, np.ndarray) else bytes(got)
+        read_only = not (got.flags.writeable if isinstance(got, np.ndarray) else not got.readonly)
+        typed = not isinstance(v, np.ndarray) or (got.shape, got.dtype) == (v.shape, v.dtype)
+        return np.array_equal(as_read, expect) and typed and read_only
+
+    for k, v in values.items():
+        assert same(s[k], v), k
     assert s.get("missing", "default") == "default"
     after = s.stats()
     assert (after["hits"] - before["hits"], after["misses"] - before["misses"]) == (len(values), 1)
+    # mget: the same values, read in one C call and one lock hold
+    got = s.mget([*values, "missing"])
+    assert got[-1] is None and all(same(g, v) for g, v in zip(got, values.values()))
+    after_m = s.stats()
+    assert (after_m["hits"] - after["hits"], after_m["misses"] - after["misses"]) == (len(values), 1)
+    del got
+    gc.collect()
+    assert s.stats()["pinned_bytes"] == 0
+    hits = hot.mread(["b", "64k", "missing"])
+    assert hits[0] == (b"Babc", 1) and len(hits[1]) == 5 and hits[2] is None
+    s._a.unpin(hits[1][3])
+    assert hot.mread(["b", b"bytes"]) is False and hot.mread(("b",)) is False and hot.mread([]) is False
     # what the C calls answer themselves, and what they leave to the general path
     assert hot.read("b")[0] == b"Babc" and hot.read("missing") is None
     meta, off, n, pin, block = hot.read("64k")           # pinned: the caller releases the pin
@@ -184,3 +196,4 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
             s[bad] = b"x"
     s.close()
     assert hot.read("b") is False and hot.put("p", b"B", b"x", True) is False   # gone
+    assert hot.mread(["b"]) is False

@@ -7,7 +7,11 @@ class HotPath:
     slot: int
     """This process's slot in the arena (0: none yet, e.g. in a child right after fork)."""
 
-    def __init__(self, read: int, put: int, base: int, max_key: int, cap: int) -> None: ...
+    def __init__(self, *addresses_base_max_key_cap: int) -> None:
+        """HotPath(read, put, mread, unpin, base, max_key, cap): C function and mapping addresses."""
+    def mread(self, keys: list, /) -> list | Literal[False]:
+        """Per key None, (data, meta_len) or (meta, payload_off, nbytes, pin, block), in one
+        lock hold; False: take the general path (nothing is pinned then)."""
     def read(self, key: Any, /) -> tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
         """(header + payload, header length) of a small DRAM value; (header, payload offset,
         size, pin, block) of a larger one it pinned; None for a miss; else False."""

@@ -460,11 +460,27 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         copies).
         """
         a = self._a
+        keys = keys if type(keys) is list else list(keys)
+        hits = a.hot.mread(keys) if self._hbm is None and keys else False   # one C call (or False)
+        if hits is not False:
+            out: list[Any] = []
+            try:
+                for key, hit in zip(keys, hits):
+                    if hit is None or len(hit) == 5:       # missing, or pinned
+                        out.append(hit and self._pinned_value(a, hit, key))
+                    else:                                 # a small value, copied out
+                        out.append(self._small_value(hit[0], 0, hit[1], len(hit[0]) - hit[1], key))
+            except BaseException:   # the failed one released its pin; release the rest
+                for hit in hits[len(out) + 1:]:
+                    if hit is not None and len(hit) == 5:
+                        a.unpin(hit[3])
+                raise
+            return [codec.private_copy(v) for v in out] if copy else out
         kbs = [key_bytes(k) for k in keys]
         if not kbs:
             return []
         infos, found, copied = a.mread(kbs, small=self._hbm is None)
-        out: list[Any] = []
+        out = []
         try:
             for i, kb in enumerate(kbs):
                 f, info = found[i], infos[i]

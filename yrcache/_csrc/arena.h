@@ -192,9 +192,10 @@ int  yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_
  * klens): found[i] is 0 (missing), 1 (pinned, as yr_read) or 2 (a DRAM object whose header and payload fit in `small`
  * bytes, copied into buf while room remains: its header at out[i].meta_off,
  * its payload at out[i].payload_off, 64-byte aligned, both offsets into buf);
- * returns how many bytes of buf it used, or an error */
+ * returns how many bytes of buf it used, or an error; with dram_only, YR_EBUFFER
+ * (nothing counted or pinned) when one of the objects is in another tier */
 int  yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
-              yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small);
+              yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small, int dram_only);
 /* a quiet look that copies the codec header out (no pin needed) */
 int  yr_peek(void *base, const char *key, uint32_t klen, yr_objinfo *out, char *meta,
              uint32_t metacap);

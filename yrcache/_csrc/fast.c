@@ -12,7 +12,8 @@
  * read(key) returns (data, meta_len) for a small DRAM object copied out (data:
  * its codec header then its payload, private bytes); (meta, payload_off,
  * nbytes, pin, block_off) for a larger DRAM object it pinned under `slot`; and
- * None when the key is missing.  put(key, meta, payload, prefaulted) stores a
+ * None when the key is missing; mread(keys) gives a list of those, read in one
+ * lock hold.  put(key, meta, payload, prefaulted) stores a
  * payload in DRAM and returns True.  Both return False whenever the caller
  * must take the general path: a key that is not a plain valid str (the general
  * path raises the right error), an object not in DRAM, no slot, no room, a
@@ -26,12 +27,16 @@
 #include "arena.h"      /* declarations only: the functions are reached through addresses */
 
 #define CAP_MAX 8192             /* the largest copy a read takes (on the C stack) */
+#define MREAD_BYTES (64 << 10)   /* room for the small values one batch read copies out */
+#define MREAD_MAX 65536           /* keys in one batch read here */
 #define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
 
 typedef struct {
     PyObject_HEAD
     __typeof__(&yr_read_dram) read;
     __typeof__(&yr_put) put;
+    __typeof__(&yr_mread) mread;
+    __typeof__(&yr_unpin) unpin;
     void *base;
     unsigned int slot;
     Py_ssize_t max_key;
@@ -39,17 +44,20 @@ typedef struct {
 } HotPath;
 
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
-    unsigned long long read, put, base;
+    unsigned long long read, put, mread, unpin, base;
     Py_ssize_t max_key;
     unsigned int cap;
-    static char *kwlist[] = {"read", "put", "base", "max_key", "cap", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKnI", kwlist, &read, &put, &base, &max_key, &cap))
+    static char *kwlist[] = {"read", "put", "mread", "unpin", "base", "max_key", "cap", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKKKnI", kwlist, &read, &put, &mread, &unpin, &base,
+                                     &max_key, &cap))
         return -1;
-    if (!read || !put || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
-        PyErr_SetString(PyExc_ValueError, "HotPath(read, put, base, max_key, cap): addresses must "
-                                          "be set, max_key > 0 and 0 < cap <= 8192");
+    if (!read || !put || !mread || !unpin || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
+        PyErr_SetString(PyExc_ValueError, "HotPath(read, put, mread, unpin, base, max_key, cap): "
+                                          "addresses must be set, max_key > 0 and 0 < cap <= 8192");
         return -1;
     }
+    self->mread = (__typeof__(&yr_mread))(uintptr_t)mread;
+    self->unpin = (__typeof__(&yr_unpin))(uintptr_t)unpin;
     self->read = (__typeof__(&yr_read_dram))(uintptr_t)read;
     self->slot = 0;
     self->put = (__typeof__(&yr_put))(uintptr_t)put;
@@ -95,6 +103,82 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     Py_RETURN_FALSE;
 }
 
+/* A batch read: the list mget builds its values from, or False. */
+static PyObject *HotPath_mread(HotPath *self, PyObject *keys) {
+    if (!PyList_CheckExact(keys)) Py_RETURN_FALSE;
+    Py_ssize_t n = PyList_GET_SIZE(keys), total = 0;
+    if (n == 0 || n > MREAD_MAX) Py_RETURN_FALSE;
+    const char **kbs = PyMem_Malloc(n * sizeof(char *));
+    uint32_t *klens = PyMem_Malloc(n * sizeof(uint32_t));
+    yr_objinfo *infos = PyMem_Malloc(n * sizeof(yr_objinfo));
+    int32_t *found = PyMem_Malloc(n * sizeof(int32_t));
+    char *packed = NULL, *buf = NULL;
+    PyObject *out = NULL;
+    if (!kbs || !klens || !infos || !found) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t klen;
+        kbs[i] = key_of(self, PyList_GET_ITEM(keys, i), &klen);
+        if (!kbs[i]) {                   /* an odd key: the general path words its error */
+            out = Py_NewRef(Py_False);
+            goto done;
+        }
+        klens[i] = (uint32_t)klen;
+        total += klen;
+    }
+    packed = PyMem_Malloc(total ? total : 1);
+    buf = PyMem_Malloc(MREAD_BYTES);
+    if (!packed || !buf) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0, at = 0; i < n; at += klens[i], i++) memcpy(packed + at, kbs[i], klens[i]);
+    int used;
+    Py_BEGIN_ALLOW_THREADS
+    used = self->mread(self->base, self->slot, packed, klens, (uint32_t)n, infos, found, buf, MREAD_BYTES,
+                       self->cap, 1);
+    Py_END_ALLOW_THREADS
+    if (used < 0) {                      /* an object in another tier (the general path moves it), an error */
+        out = Py_NewRef(Py_False);
+        goto done;
+    }
+    out = PyList_New(n);
+    for (Py_ssize_t i = 0; i < n && out; i++) {
+        yr_objinfo *f = &infos[i];
+        PyObject *item;
+        if (found[i] == 0) {
+            item = Py_NewRef(Py_None);
+        } else if (found[i] == 2) {      /* copied: its header, then its payload right after */
+            PyObject *data = PyBytes_FromStringAndSize(buf + f->meta_off, (Py_ssize_t)f->meta_len + (Py_ssize_t)f->nbytes);
+            item = data ? Py_BuildValue("(NI)", data, f->meta_len) : NULL;
+        } else {
+            PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + f->meta_off, f->meta_len);
+            item = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)f->payload_off,
+                                        (unsigned long long)f->nbytes, f->pin,
+                                        (unsigned long long)f->block_off) : NULL;
+        }
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, item);
+    }
+    if (!out) {                          /* failed: give back every pin taken */
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (found[i] == 1) self->unpin(self->base, infos[i].pin);
+    }
+done:
+    PyMem_Free(kbs);
+    PyMem_Free(klens);
+    PyMem_Free(infos);
+    PyMem_Free(found);
+    PyMem_Free(packed);
+    PyMem_Free(buf);
+    return out;
+}
+
 static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "put(key, meta, payload, prefaulted) takes 4 arguments");
@@ -129,6 +213,9 @@ static PyMethodDef HotPath_methods[] = {
     {"read", (PyCFunction)HotPath_read, METH_O,
      "read(key) -> (data, meta_len) | (meta, payload_off, nbytes, pin, block_off) | None | False: "
      "a small DRAM value copied out, a larger one pinned, a miss, or False (take the general path)."},
+    {"mread", (PyCFunction)HotPath_mread, METH_O,
+     "mread(keys: list) -> list | False: per key None (missing), (data, meta_len) (copied out) or "
+     "(meta, payload_off, nbytes, pin, block_off) (pinned), read in one lock hold; or False."},
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
      "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},

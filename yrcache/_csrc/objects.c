@@ -280,10 +280,20 @@ int yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_o
 }
 
 int yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens, uint32_t n,
-             yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small) {
+             yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small, int dram_only) {
     hdr_t *h = H(base);
     double now = now_realtime();
     if (lock(h)) return YR_ELOCK;
+    if (dram_only) {            /* a quiet look first: nothing counted or pinned if one is elsewhere */
+        const char *k = keys;
+        for (uint32_t i = 0; i < n; k += klens[i], i++) {
+            uint64_t *s = lookup_locked(h, k, klens[i], now, 0);
+            if (s && TIER_OF(AT(h, *s)) != YR_TIER_DRAM) {
+                unlock(h);
+                return YR_EBUFFER;
+            }
+        }
+    }
     int err = 0;
     uint64_t used = 0;
     for (uint32_t i = 0; i < n; i++) {

@@ -41,7 +41,7 @@ ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPI
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
           lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
 _NO_ROOM = (lib.YR_ENOSPC, lib.YR_ETOOBIG)
-_HOT_READ, _HOT_PUT = (int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_dram", "yr_put"))
+_HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_dram", "yr_put", "yr_mread", "yr_unpin"))
 
 
 def check(rc: int, what: str) -> int:
@@ -212,7 +212,7 @@ class Arena:
                 raise YrcacheError(f"could not map store {name!r} ({self.size} bytes)")
             self.addr = int(ffi.cast("uintptr_t", self.base))
             self.cbase = ffi.cast("char *", self.base)
-            self.hot = HotPath(_HOT_READ, _HOT_PUT, self.addr, MAX_KEY_BYTES, SMALL_READ)   # a small get or put in one C call
+            self.hot = HotPath(*_HOT, self.addr, MAX_KEY_BYTES, SMALL_READ)   # a small get or put in one C call
             self.mapped = True
             if self.created:
                 if npins is None:
@@ -445,7 +445,7 @@ class Arena:
         n = len(kbs)
         infos, found, buf = ffi.new("yr_objinfo[]", n), ffi.new("int32_t[]", n), _scratch()[5]
         used = check(lib.yr_mread(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, infos, found,
-                                  buf, MREAD_BYTES, SMALL_READ if small else 0), "mget")
+                                  buf, MREAD_BYTES, SMALL_READ if small else 0, 0), "mget")
         return infos, found, ffi.unpack(buf, used) if used else b""
 
     def read(self, kb: bytes, small: bool = True) -> tuple[Any, bytes | None] | None:  # type: ignore[return]  # check() raises
