@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from . import codec
 from .config import Settings, Tier, WriteMode, default_device, write_mode as _write_mode
 from .errors import StoreClosedError, UntrustedStoreError, YrcacheError
 from .mover import Mover
-from .placement import RETRY, SMALL_VALUE, Placement
+from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
 from .store_ops import StoreOps
@@ -313,48 +313,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         codec.check_header(meta, nbytes)
         self._placement.put(key_bytes(key), meta, fill, nbytes, _priority(priority), _expire_at(ttl),
                             None if t == Tier.HBM else t)
-
-    def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
-             priority: int = 0, ttl: float | None = None,
-             write_mode: WriteMode | str | None = None) -> None:
-        """Put several values; each one is atomic (the batch as a whole is not).
-
-        Small values are stored under one hold of the arena lock; larger ones
-        (and any that do not fit at once) one by one, as ``put`` does.
-        ``items``: a mapping, or an iterable of ``(key, value)`` pairs; every
-        key is validated before anything is stored.
-
-        Examples:
-            >>> with TieredStore(dram="16MiB") as s:
-            ...     s.mset({"a": b"x", "b": b"y"})
-            ...     [bytes(v) if v is not None else None for v in s.mget(["a", "b", "c"])]
-            [b'x', b'y', None]
-        """
-        self._check_open()
-        self._check_tier(tier)
-        _write_mode(write_mode)
-        expire_at = _expire_at(ttl)
-        priority = _priority(priority)
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
-        for k, _ in pairs:
-            key_bytes(k)            # validate every key before storing anything
-        p = self._placement
-        if tier is None and p.default_tier is not None:   # each value to its own default
-            for k, v in pairs:
-                self.put(k, v, priority=priority, ttl=ttl)
-            return
-        rest = []
-        for k, v in pairs:
-            if self._hbm is not None and self._hbm.takes(v, tier):
-                self.put(k, v, tier=tier, priority=priority, ttl=ttl)
-            else:
-                rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
-        small = [e for e in rest if e[3] <= SMALL_VALUE] if tier != Tier.SSD else []
-        done = self._placement.put_many_small(small, priority, expire_at) if small else 0
-        stored = {id(e) for e in small[:done]}
-        for e in rest:
-            if id(e) not in stored:
-                self._placement.put(e[0], e[1], e[2], e[3], priority, expire_at, tier)
 
     def __setitem__(self, key: str, value: Value) -> None:
         """``store[key] = value``: ``put(key, value)`` with the default options."""

@@ -12,12 +12,12 @@ import os
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import codec
-from .config import Tier
+from .config import Tier, WriteMode, write_mode as _write_mode
 from .placement import RETRY, SMALL_VALUE
 from .errors import YrcacheError
 from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
@@ -53,6 +53,11 @@ class StoreOps:
         def _hbm(self) -> HbmOwner | None: ...
 
         def get(self, key: str, default: Any = None, *, copy: bool = False) -> Any: ...
+
+        def put(self, key: str, value: Value, tier: Tier | None = None, priority: int = 0,
+                ttl: float | None = None, write_mode: WriteMode | str | None = None) -> None: ...
+
+        _pickle: bool
 
         def _check_open(self) -> None: ...
 
@@ -153,6 +158,49 @@ class StoreOps:
         _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
         return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
 
+
+    def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
+             priority: int = 0, ttl: float | None = None,
+             write_mode: WriteMode | str | None = None) -> None:
+        """Put several values; each one is atomic (the batch as a whole is not).
+
+        Small values are stored under one hold of the arena lock; larger ones
+        (and any that do not fit at once) one by one, as ``put`` does.
+        ``items``: a mapping, or an iterable of ``(key, value)`` pairs; every
+        key is validated before anything is stored.
+
+        Examples:
+            >>> from yrcache import TieredStore
+            >>> with TieredStore(dram="16MiB") as s:
+            ...     s.mset({"a": b"x", "b": b"y"})
+            ...     [bytes(v) if v is not None else None for v in s.mget(["a", "b", "c"])]
+            [b'x', b'y', None]
+        """
+        self._check_open()
+        self._check_tier(tier)
+        _write_mode(write_mode)
+        expire_at = _expire_at(ttl)
+        priority = _priority(priority)
+        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        for k, _ in pairs:
+            key_bytes(k)            # validate every key before storing anything
+        p = self._placement
+        if tier is None and p.default_tier is not None:   # each value to its own default
+            for k, v in pairs:
+                self.put(k, v, priority=priority, ttl=ttl)
+            return
+        rest = []
+        for k, v in pairs:
+            if self._hbm is not None and self._hbm.takes(v, tier):
+                self.put(k, v, tier=tier, priority=priority, ttl=ttl)
+            else:
+                rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
+        small = [e for e in rest if e[3] <= SMALL_VALUE] if tier != Tier.SSD else []
+        done = self._placement.put_many_small(small, priority, expire_at) if small else 0
+        stored = {id(e) for e in small[:done]}
+        for e in rest:
+            if id(e) not in stored:
+                self._placement.put(e[0], e[1], e[2], e[3], priority, expire_at, tier)
 
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
                  ttl: float | None = None, tier: Tier | None = None) -> None:
