@@ -137,6 +137,12 @@ class StoreOps:
         an object on as it is (cluster mode sends these over the wire).
         """
         a = self._a
+        if self._hbm is None:       # a DRAM object or a miss in one C call (else: False)
+            hit = a.hot.read(key)
+            if hit is None:
+                return None
+            if hit is not False:
+                return _raw_hit(a, hit, key)
         got = a.read(key_bytes(key), small=self._hbm is None)
         if got is None:
             return None
@@ -157,7 +163,6 @@ class StoreOps:
             return meta, value
         _, payload, nbytes = codec.encode(value)        # read from SSD, or an HBM tensor
         return meta, memoryview(payload).cast("B").toreadonly() if nbytes else memoryview(b"")
-
 
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
              priority: int = 0, ttl: float | None = None,
@@ -224,10 +229,23 @@ class StoreOps:
                 p.put(*e, priority, expire_at, None if t == Tier.HBM else t)
 
     def mget_raw(self, keys: Iterable[str]) -> list[tuple[bytes, memoryview] | None]:
-        """``get_raw`` of several keys: small objects copied out under one lock hold,
-        larger ones then read one by one (each a pinned view); None where missing."""
+        """``get_raw`` of several keys, None where missing: when every object is in DRAM,
+        all read under one lock hold (small ones copied out, the rest pinned views); else
+        small objects copied out under one lock hold, the rest read one by one."""
         a = self._a
         keys = list(keys)
+        hits = a.hot.mread(keys) if self._hbm is None and keys else False   # one C call (or False)
+        out: list[tuple[bytes, memoryview] | None] = []
+        if hits is not False:
+            try:
+                for k, hit in zip(keys, hits):
+                    out.append(hit and _raw_hit(a, hit, k))
+            except BaseException:   # the failed one released its pin; release the rest
+                for hit in hits[len(out) + 1:]:
+                    if hit is not None and len(hit) == 5:
+                        a.unpin(hit[3])
+                raise
+            return out
         kbs = [key_bytes(k) for k in keys]
         if not kbs:
             return []
@@ -236,7 +254,6 @@ class StoreOps:
             if found[i] == 1:
                 a.unpin(infos[i].pin)           # read again below, with get_raw's checks
         body = memoryview(copied).toreadonly()
-        out: list[tuple[bytes, memoryview] | None] = []
         for i, k in enumerate(keys):
             if found[i] == 2:
                 info = infos[i]
@@ -248,6 +265,7 @@ class StoreOps:
             else:
                 out.append(self.get_raw(k) if found[i] else None)
         return out
+
     def get_into(self, key: str, out: _Out) -> _Out:
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
 
@@ -368,6 +386,22 @@ class StoreOps:
 
 def _raw_view(buf: Any, nbytes: int) -> memoryview:
     return memoryview(buf).cast("B").toreadonly()
+
+
+def _raw_hit(a: Arena, hit: tuple, key: str) -> tuple[bytes, memoryview]:
+    """``get_raw``'s answer from a hot-path read: a copy, or a view that holds the pin."""
+    if len(hit) == 2:
+        data, mlen = hit
+        meta, body = data[:mlen], memoryview(data)[mlen:]
+    else:
+        meta, offset, nbytes, pin, block = hit
+        if meta[:1] == b"P":
+            a.unpin(pin)
+        else:
+            body = _raw_view(a.pinned_buffer(offset, nbytes, pin, block), nbytes)
+    if meta[:1] == b"P":
+        raise TypeError(f"{key!r} holds a pickled object, which has no raw form: read it with get()")
+    return meta, body
 
 
 _LOCK_STRIPES = 4096
