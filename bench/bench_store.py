@@ -518,6 +518,14 @@ def bench_small(cfg: Config, cleanup: U.Cleanup, res: dict, server: PipeServer) 
             out["yr_get"].append(n / ((t2 - t1) / 1e9))
             log(f"1 KiB x {n}: yrcache round {r + 1}: {U.fmt_rate(out['yr_put'][-1], 'puts/s')}, "
                 f"{U.fmt_rate(out['yr_get'][-1], 'gets/s')}")
+        # the same gets over a working set that stays in the caches and the TLB (1,000 keys
+        # read n times in all): what a get costs apart from the memory system
+        few = keys[:1000] * max(1, n // 1000)
+        for _ in range(rounds):
+            t0 = pc()
+            for k in few:
+                v = get(k)
+            out.setdefault("yr_get_few", []).append(len(few) / ((pc() - t0) / 1e9))
         v = get(keys[-1])
         if not np.array_equal(v, value):
             raise RuntimeError("1 KiB values: stored value differs")
@@ -651,6 +659,12 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
                     f"{U.fmt_rate(b, op + 's/s')} (n={sm.get('base_n')})", yr_med / b, target, ok,
                     yr_per_s=yr_med, base_per_s=b, yr_rounds=sm[f"yr_{op}"])
 
+    if sm.get("yr_get_few"):
+        few = U.median(sm["yr_get_few"])
+        row("1 KiB gets, one process, 1,000 keys read over and over", f"{U.fmt_rate(few, 'gets/s')} (best "
+            f"{U.fmt_rate(max(sm['yr_get_few']), '')})".replace(" )", ")"), "-", float("nan"),
+            yr_per_s=few, yr_rounds=sm["yr_get_few"])
+
     cr = res.get("create", {})
     if cr.get("yr"):
         yr_med = U.median(cr["yr"])
@@ -683,7 +697,8 @@ get:    per-get latency in a spawned process that attached by name and warmed up
 first:  the get of a 64 MiB value right after its put, in the putting process; baseline: the
         same get right after an np.copyto of 64 MiB (what any large copy leaves in the caches and TLB).
 1 KiB:  {small_n} distinct keys per round, median of {rounds} rounds (best shown); gets include
-        dropping each view. Baselines over {base_n} keys (SharedMemory: one segment per key).
+        dropping each view; the 1,000-key row reads the first 1,000 of them over and over (a
+        working set that stays in the caches and the TLB: the rest is what the memory system costs). Baselines over {base_n} keys (SharedMemory: one segment per key).
 create: TieredStore(name, dram=1GiB) until the constructor returns (arena created and pre-faulted),
         median of {runs} runs; baseline: SharedMemory(create, 1 GiB) + one write per 4 KiB page.
 """
