@@ -81,7 +81,7 @@ class TestEmbeddedStore(StoreSuite):
 def test_interleaved_listings_in_one_thread_each_see_their_own_keys(make_store):
     """Listings reuse one per-thread buffer: two of them interleaved with puts, gets and
     batch reads on the same thread still yield exactly their own keys, batch after
-    batch (1,300 keys each: three batches)."""
+    batch (1,300 keys each: eleven batches)."""
     s = make_store(dram="16MiB")
     s.mset({f"a/{i:05d}": b"x" for i in range(1300)})
     s.mset({f"b/{i:05d}": b"y" * 100 for i in range(1300)})

@@ -524,14 +524,14 @@ class Arena:
     # ----------------------------------------------------------- iteration
 
     def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
-        """Keys starting with ``prefix`` in byte order from the sorted index: at most 512 per lock hold,
+        """Keys starting with ``prefix`` in byte order from the sorted index: at most 128 per lock hold,
         each batch a logarithmic search plus its matches; ``alive()`` runs before each batch (may raise)."""
         after, size = b"", MREAD_BYTES
         while True:
             if alive is not None:
                 alive()
             _, _, more, _, _, buf, _ = _scratch()      # parsed before we yield: reusable
-            n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 512, more)
+            n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
             check(n, "keys")
             raw, last = ffi.buffer(buf, size), not more[0]
             out, pos = [], 0
