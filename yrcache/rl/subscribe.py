@@ -103,7 +103,7 @@ class _Target(NamedTuple):
 class _Compiled(NamedTuple):
     """A fetch planned for one version structure and one layout.  Versions of
     an unchanged model share the structure, so each new version costs a
-    marker read, a get per part and the copies."""
+    marker read, one ``mget`` and the copies."""
 
     targets: tuple       # _Target, ...
     names: frozenset     # of the targets
@@ -379,8 +379,7 @@ class WeightSubscriber:
         ``Fused`` target composed from several sources, or None (whole);
         tensors not named are fetched whole, except sources a ``Fused``
         consumes.  Only the byte ranges overlapping each slice are copied,
-        from the version's parts, which are written once and pinned while
-        they are read (a retire cannot free them midway).  ``into[name]`` (a
+        from one atomic snapshot of the version's parts.  ``into[name]`` (a
         contiguous tensor on any device, or an ndarray) receives its slice in
         place.  ``dtype`` casts floating-point results.  Raises ``KeyError``
         when the version is not complete or was reclaimed.
@@ -409,10 +408,7 @@ class WeightSubscriber:
             views = None
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
-            # Parts are written once (their keys carry the rank's nonce), so reading them one
-            # by one sees the same bytes as one snapshot would, and a get is one C call.
-            get = self.store.get
-            views = [get(k) for k in keys]             # pinned views (copies of small parts)
+            views = self.store.mget(keys)              # one atomic, pinned snapshot
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
             bufs = [_src_bytes(v) for v in views]
