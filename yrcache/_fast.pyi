@@ -1,4 +1,4 @@
-# Types of yrcache._fast, the C hot paths of a small get and put (yrcache/_csrc/fast.c).
+# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c).
 from typing import Any, Literal
 
 class HotPath:

@@ -1,4 +1,4 @@
-/* yrcache._fast: the hot paths of a small get and a small put, in C.
+/* yrcache._fast: the hot paths of get, put and mget, in C.
  *
  * A get or put of a small DRAM value through cffi spends most of its time on
  * the Python side (validating and encoding the key, converting a dozen
@@ -95,9 +95,11 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     }
     if (r == 0) {            /* pinned: the caller owns the pin from here on */
         PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + info.meta_off, info.meta_len);
-        return meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)info.payload_off,
-                                    (unsigned long long)info.nbytes, info.pin,
-                                    (unsigned long long)info.block_off) : NULL;
+        PyObject *t = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)info.payload_off,
+                                           (unsigned long long)info.nbytes, info.pin,
+                                           (unsigned long long)info.block_off) : NULL;
+        if (!t) self->unpin(self->base, info.pin);   /* out of memory: nobody will release it */
+        return t;
     }
     if (r == YR_ENOTFOUND) Py_RETURN_NONE;
     Py_RETURN_FALSE;
@@ -243,7 +245,7 @@ static PyTypeObject HotPathType = {
 };
 
 static struct PyModuleDef fastmodule = {
-    PyModuleDef_HEAD_INIT, "yrcache._fast", "The hot paths of a small get and put (see _csrc/fast.c).",
+    PyModuleDef_HEAD_INIT, "yrcache._fast", "The hot paths of get, put and mget (see _csrc/fast.c).",
     -1, NULL,
 };
 
