@@ -26,7 +26,7 @@ from .mover import Mover
 from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
-from .store_ops import StoreOps
+from .store_ops import StoreOps, unpin_hits
 from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
@@ -365,10 +365,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             if hit.__class__ is tuple:
                 if len(hit) == 2:  # (header + payload, header length): a small value copied out
                     data, mlen = hit
-                    meta = data[:mlen]
-                    if meta[:1] == b"P" and not self._pickle:
-                        raise self._no_pickle(key)
-                    value = codec.copied_decoder(meta)(data, mlen, len(data) - mlen)
+                    value = self._small_value(data, 0, mlen, len(data) - mlen, key)
                 else:              # (header, payload offset, size, pin, block): a pinned one
                     value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
@@ -429,9 +426,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                     else:                                 # a small value, copied out
                         out.append(self._small_value(hit[0], 0, hit[1], len(hit[0]) - hit[1], key))
             except BaseException:   # the failed one released its pin; release the rest
-                for hit in hits[len(out) + 1:]:
-                    if hit is not None and len(hit) == 5:
-                        a.unpin(hit[3])
+                unpin_hits(a, hits[len(out) + 1:])
                 raise
             return [codec.private_copy(v) for v in out] if copy else out
         kbs = [key_bytes(k) for k in keys]

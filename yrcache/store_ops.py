@@ -241,9 +241,7 @@ class StoreOps:
                 for k, hit in zip(keys, hits):
                     out.append(hit and _raw_hit(a, hit, k))
             except BaseException:   # the failed one released its pin; release the rest
-                for hit in hits[len(out) + 1:]:
-                    if hit is not None and len(hit) == 5:
-                        a.unpin(hit[3])
+                unpin_hits(a, hits[len(out) + 1:])
                 raise
             return out
         kbs = [key_bytes(k) for k in keys]
@@ -386,6 +384,13 @@ class StoreOps:
 
 def _raw_view(buf: Any, nbytes: int) -> memoryview:
     return memoryview(buf).cast("B").toreadonly()
+
+
+def unpin_hits(a: Arena, hits: list) -> None:
+    """Release the pins of hot-path reads nobody took over (``HotPath.mread``'s pinned items)."""
+    for hit in hits:
+        if hit is not None and len(hit) == 5:
+            a.unpin(hit[3])
 
 
 def _raw_hit(a: Arena, hit: tuple, key: str) -> tuple[bytes, memoryview]:

@@ -181,13 +181,11 @@ int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags
 /* a read: like yr_get with YR_PIN, except that a DRAM object whose codec
  * header and payload fit in `cap` bytes is copied into buf (header first)
  * instead of pinned -- for a small value, cheaper than a pin and its release.
- * Returns 1 when it copied, 0 when it pinned. */
+ * Returns 1 when it copied, 0 when it pinned; with dram_only (the hot path of
+ * a get, _fast.c), YR_EBUFFER for an object in another tier, left alone and
+ * not counted (read it again without dram_only). */
 int  yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
-             uint32_t cap);
-/* yr_read for the hot path of a get (_fast.c): the same, except that an object
- * not in DRAM is left alone and not counted (YR_EBUFFER: yr_read it) */
-int  yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
-                  uint32_t cap);
+             uint32_t cap, int dram_only);
 /* a batch of reads under one lock hold (keys packed back to back, lengths in
  * klens): found[i] is 0 (missing), 1 (pinned, as yr_read) or 2 (a DRAM object whose header and payload fit in `small`
  * bytes, copied into buf while room remains: its header at out[i].meta_off,

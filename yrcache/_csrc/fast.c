@@ -5,7 +5,7 @@
  * arguments, reading result fields one attribute at a time).  A HotPath does
  * the key checks, the call and the result in one C function.  It does not link
  * against the arena core (a second extension, loaded RTLD_LOCAL): tiers/dram.py
- * hands it the addresses of yr_read_dram, yr_put and the mapping, sets `slot`
+ * hands it the addresses of yr_read, yr_put, yr_mread, yr_unpin and the mapping, sets `slot`
  * (this process's slot; 0 after a fork until the child has its own), and
  * closes it before the mapping goes.
  *
@@ -33,7 +33,7 @@
 
 typedef struct {
     PyObject_HEAD
-    __typeof__(&yr_read_dram) read;
+    __typeof__(&yr_read) read;
     __typeof__(&yr_put) put;
     __typeof__(&yr_mread) mread;
     __typeof__(&yr_unpin) unpin;
@@ -58,7 +58,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
     }
     self->mread = (__typeof__(&yr_mread))(uintptr_t)mread;
     self->unpin = (__typeof__(&yr_unpin))(uintptr_t)unpin;
-    self->read = (__typeof__(&yr_read_dram))(uintptr_t)read;
+    self->read = (__typeof__(&yr_read))(uintptr_t)read;
     self->slot = 0;
     self->put = (__typeof__(&yr_put))(uintptr_t)put;
     self->base = (void *)(uintptr_t)base;
@@ -87,7 +87,7 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     yr_objinfo info;
     int r;
     Py_BEGIN_ALLOW_THREADS   /* the arena lock may be contended: let other threads run */
-    r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap);
+    r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap, 1);
     Py_END_ALLOW_THREADS
     if (r == 1) {            /* copied out: (header + payload, header length) */
         PyObject *data = PyBytes_FromStringAndSize(buf, (Py_ssize_t)info.meta_len + (Py_ssize_t)info.nbytes);
@@ -234,8 +234,8 @@ static PyMemberDef HotPath_members[] = {
 static PyTypeObject HotPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "yrcache._fast.HotPath",
-    .tp_doc = "HotPath(read, put, base, max_key, cap): gets and puts of one arena mapping, "
-              "each in one C call.",
+    .tp_doc = "HotPath(read, put, mread, unpin, base, max_key, cap): gets, puts and batch reads "
+              "of one arena mapping, each in one C call.",
     .tp_basicsize = sizeof(HotPath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -232,7 +232,7 @@ int yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags,
 
 /* A read under the lock: copy a small DRAM object into buf (returns 1), else
  * pin it (returns 0) -- or, with dram_only, return YR_EBUFFER for an object
- * that is not in DRAM, counted as nothing (the caller reads it with yr_read). */
+ * that is not in DRAM, counted as nothing. */
 static int read_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, double now,
                        yr_objinfo *out, char *buf, uint32_t cap, int dram_only) {
     int r = get_locked(h, slot, key, klen, YR_QUIET, now, out);   /* counted below */
@@ -260,21 +260,11 @@ static int read_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, 
 }
 
 int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
-            uint32_t cap) {
+            uint32_t cap, int dram_only) {
     hdr_t *h = H(base);
     double now = now_realtime();
     if (lock(h)) return YR_ELOCK;
-    int r = read_locked(h, slot, key, klen, now, out, buf, cap, 0);
-    unlock(h);
-    return r;
-}
-
-int yr_read_dram(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinfo *out, char *buf,
-                 uint32_t cap) {
-    hdr_t *h = H(base);
-    double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
-    int r = read_locked(h, slot, key, klen, now, out, buf, cap, 1);
+    int r = read_locked(h, slot, key, klen, now, out, buf, cap, dram_only);
     unlock(h);
     return r;
 }

@@ -41,7 +41,7 @@ ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPI
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
           lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
 _NO_ROOM = (lib.YR_ENOSPC, lib.YR_ETOOBIG)
-_HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read_dram", "yr_put", "yr_mread", "yr_unpin"))
+_HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read", "yr_put", "yr_mread", "yr_unpin"))
 
 
 def check(rc: int, what: str) -> int:
@@ -455,7 +455,7 @@ class Arena:
         ``get``'s)."""
         scratch = _scratch()
         info = scratch[3]
-        rc = lib.yr_read(self.base, self.slot, kb, len(kb), info, scratch[4], SMALL_READ if small else 0)
+        rc = lib.yr_read(self.base, self.slot, kb, len(kb), info, scratch[4], SMALL_READ if small else 0, 0)
         if rc == 1:
             return info, scratch[6][:info.meta_len + info.nbytes]   # bytes (a slice of ffi.buffer)
         if rc == 0:
