@@ -134,7 +134,7 @@ def test_new_versions_of_an_unchanged_model_reuse_the_plan_made_while_idle(make_
     with pytest.raises(TimeoutError):
         sub.wait(newer_than=1, timeout=0.05)         # idle: plans a whole fetch of version 1
     assert len(planned) == 1
-    for v in range(2, 6):                            # every version has new part keys (nonces)
+    for v in range(2, 6):                            # every version has new part keys
         full = publish(v)
         got = sub.fetch(sub.wait(newer_than=v - 1, timeout=5))
         np.testing.assert_array_equal(got["w"], full)
@@ -159,6 +159,66 @@ def test_a_changed_model_gets_a_new_plan(make_store):
     np.testing.assert_array_equal(sub.fetch(2, layout={"w": Shard(0, 1, 2)})["w"], state(2, 300)["w"][150:])
 
 
+def _publish_from_child(pub, v):
+    pub.publish({"w": np.full(4, v, np.float32)}, version=v)
+
+
+def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_found(make_store, monkeypatch):
+    """The marker of an unchanged model is the same bytes every version: a subscriber
+    reads marker and parts in one mget. A new publisher (a restarted trainer) has new
+    part keys: its version is still found, and what fetch returns is the subscriber's own."""
+    import torch
+    store = make_store()
+    reads: list = []
+    real_get, real_mget = store.get, store.mget
+    monkeypatch.setattr(store, "get", lambda k, *a, **kw: reads.append("get") or real_get(k, *a, **kw))
+    monkeypatch.setattr(store, "mget", lambda ks, **kw: reads.append(len(ks)) or real_mget(ks, **kw))
+
+    def st(v):
+        return {"w": np.arange(6, dtype=np.float32).reshape(2, 3) + v, "t": torch.arange(4) + v}
+    sub = WeightSubscriber(store, "policy")
+    pub = WeightPublisher(store, "policy", keep=2)
+    pub.publish(st(1), version=1)
+    sub.fetch(1)
+    for v in (2, 3):
+        pub.publish(st(v), version=v)
+        reads.clear()
+        got = sub.fetch(v)
+        assert reads == [3], reads                         # marker + 2 parts, one mget
+        np.testing.assert_array_equal(got["w"], st(v)["w"])
+        assert torch.equal(got["t"], st(v)["t"])
+        got["w"] += 100                                    # writable, and the fetch's own
+        got["t"] += 100
+        again = sub.fetch(v)
+        np.testing.assert_array_equal(again["w"], st(v)["w"])
+        assert torch.equal(again["t"], st(v)["t"])
+    restarted = WeightPublisher(store, "policy", keep=2)
+    restarted.publish(st(4), version=4)
+    reads.clear()
+    got = sub.fetch(4)
+    assert reads == [3, "get", 2], reads                   # marker differs: read it, then the parts
+    np.testing.assert_array_equal(got["w"], st(4)["w"])
+    assert torch.equal(got["t"], st(4)["t"])
+    with pytest.raises(KeyError, match="reclaimed"):
+        sub.fetch(2)                                       # keep=2: gone, not served from a cache
+
+
+def test_a_forked_publisher_writes_parts_of_its_own(make_store):
+    """A publisher used in a forked child does not reuse its parent's part keys."""
+    store = make_store()
+    pub = WeightPublisher(store, "policy", keep=3)
+    pub.publish({"w": np.full(4, 1, np.float32)}, version=1)
+    child = multiprocessing.get_context("fork").Process(target=_publish_from_child, args=(pub, 2))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    pub.publish({"w": np.full(4, 3, np.float32)}, version=3)
+    board = VersionBoard(store, "policy")
+    nonces = [board.completion(v)["nonces"] for v in (1, 2, 3)]
+    assert nonces[0] == nonces[2] != nonces[1]
+    np.testing.assert_array_equal(WeightSubscriber(store, "policy").fetch(3)["w"], np.full(4, 3, np.float32))
+
+
 # --------------------------------------------------------------- crashes
 
 
@@ -179,7 +239,7 @@ def _rank_dies(name, rank, version, where):
         real = VersionBoard.complete
 
         def marker_then_die(self, version, marker=None, structure=b"", wake=True):
-            self.store.put(self._complete_key(version), json.dumps(marker).encode() + b"\n" + structure)
+            self.store.put(self.complete_key(version), json.dumps(marker).encode() + b"\n" + structure)
             os.kill(os.getpid(), signal.SIGKILL)
         VersionBoard.complete = marker_then_die
     pub.publish(state(version), version=version)

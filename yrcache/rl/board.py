@@ -56,12 +56,13 @@ class VersionBoard:
 
     def part_key(self, version: int, rank: int, nonce: str, tensor: str) -> str:
         """The key a rank stores one tensor part under."""
-        return f"{self.version_prefix(version)}p/{rank}/{nonce}/{tensor}"
+        return self.version_prefix(version) + part_suffix(rank, nonce, tensor)
 
     def _manifest_key(self, version: int, rank: int) -> str:
         return f"{self.version_prefix(version)}m/{rank:06d}"
 
-    def _complete_key(self, version: int) -> str:
+    def complete_key(self, version: int) -> str:
+        """The key of ``version``'s completion marker."""
         return f"{self.prefix}complete/{version:020d}"
 
     def _started_key(self, version: int) -> str:
@@ -110,7 +111,7 @@ class VersionBoard:
         True if this call advanced the record (of ranks that complete a version
         at once, exactly one: it alone retires old versions)."""
         if marker is not None:
-            self.store.put(self._complete_key(version),
+            self.store.put(self.complete_key(version),
                            json.dumps(marker, separators=(",", ":")).encode() + b"\n" + structure)
         advanced = _raise_to(self.wake_word, version + 1)
         if wake:
@@ -123,7 +124,7 @@ class VersionBoard:
         Readers that already hold views of its parts keep them; the memory
         is freed when the last view dies.
         """
-        self.store.delete(self._complete_key(version))
+        self.store.delete(self.complete_key(version))
         rest = [self._started_key(version), *self.store.keys(prefix=self.version_prefix(version))]
         many = getattr(self.store, "delete_many", None)     # a cluster: one batch per member
         if many is not None:
@@ -140,18 +141,13 @@ class VersionBoard:
 
     def is_complete(self, version: int) -> bool:
         """Whether ``version`` has its completion marker (one lookup, nothing read)."""
-        return self._complete_key(version) in self.store
+        return self.complete_key(version) in self.store
 
     def completion(self, version: int) -> dict | None:
         """The completion marker of ``version`` (its ``"structure"`` as bytes), or
         None when it is not (or no longer) visible."""
-        raw = self.store.get(self._complete_key(version))
-        if raw is None:
-            return None
-        head, _, structure = bytes(raw).partition(b"\n")
-        marker = json.loads(head)
-        marker["structure"] = structure
-        return marker
+        raw = self.store.get(self.complete_key(version))
+        return None if raw is None else parse_marker(bytes(raw))
 
     def complete_versions(self) -> list[int]:
         """Every visible version, ascending (a listing of their markers only)."""
@@ -222,6 +218,19 @@ def _raise_to(word, value: int) -> bool:
             return False
         if word.cas(cur, value):
             return True
+
+
+def part_suffix(rank: int, nonce: str, tensor: str) -> str:
+    """A part's key after its version's prefix (``VersionBoard.part_key``)."""
+    return f"p/{rank}/{nonce}/{tensor}"
+
+
+def parse_marker(raw: bytes) -> dict:
+    """A completion marker's JSON header as a dict, its ``"structure"`` the bytes after it."""
+    head, _, structure = raw.partition(b"\n")
+    marker = json.loads(head)
+    marker["structure"] = structure
+    return marker
 
 
 def encode_structure(info: dict[str, "_Tensor"]) -> bytes:

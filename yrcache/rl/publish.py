@@ -192,6 +192,7 @@ class WeightPublisher:
         self._pending: set[int] = set()
         self._woke_nobody = False        # a version completed here, its waiters not woken yet
         self._structures: dict[tuple, bytes] = {}     # manifests' shapes -> merged structure
+        self._nonce = ("", 0)            # (nonce, pid): one per publisher and process
 
     def publish(self, state: Mapping[str, Array], version: int, layout: Mapping[str, Shard | None] | None = None,
                 dtype: DType | None = None) -> bool:
@@ -239,7 +240,13 @@ class WeightPublisher:
             self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         self._check_world(version)              # before writing anything
         self.board.begin(version, self.rank, self.world)
-        nonce = os.urandom(6).hex()
+        # The nonce tells this publisher's parts from those of another process publishing
+        # the same rank and version (a restarted or misconfigured one). It is the same for
+        # every version, so markers of an unchanged model are the same bytes, which a
+        # subscriber then parses once.
+        if self._nonce[1] != os.getpid():
+            self._nonce = (os.urandom(6).hex(), os.getpid())
+        nonce = self._nonce[0]
         tensors, written, nbytes = {}, [], 0
         owners_of = getattr(self.store, "owners", None)
         placement: dict[str, list[str]] = {}
@@ -329,7 +336,7 @@ class WeightPublisher:
         if len(manifests) < len(got):
             return False
         advanced = self.board.complete(
-            version, {"format": FORMAT, "version": version, "world": self.world, "keep": self.keep,
+            version, {"format": FORMAT, "world": self.world, "keep": self.keep,
                       "nonces": [m["nonce"] for m in manifests],
                       "placement": [m.get("placement", {}) for m in manifests]},
             self._structure(manifests, version), wake=False)

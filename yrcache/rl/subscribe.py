@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from .board import FORMAT, VersionBoard, _Tensor, decode_structure
+from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
 from .remote import PartsUnavailable, drop_older, fetch_parts, is_remote, plan_spans
@@ -110,6 +110,22 @@ class _Compiled(NamedTuple):
     refs: tuple          # (tensor, rank) of every stored part the fetch reads, once each
     needed: int          # bytes of the result, in the stored dtypes
     version_bytes: int   # bytes of everything stored for a version
+
+
+def _whole_part(t: _Target, views: list) -> Any:
+    """A copy of the stored part that is all of target ``t``, as it is stored (an
+    ndarray or a CPU tensor); None when ``t`` is not one whole part (a slice, parts
+    of several ranks, or a part of another shape)."""
+    ops = t.plan.ops
+    if len(ops) != 1:
+        return None
+    pid, so, do, n, rows, _ss, _ds = ops[0]
+    v = views[t.slots[pid]]
+    if so or do or rows != 1 or n != t.plan.nbytes or tuple(v.shape) != t.shape:
+        return None
+    if t.kind == "torch":
+        return v.clone() if v.dtype == getattr(_torch(), t.dtype) else None
+    return v.copy() if v.dtype.str == t.dtype else None
 
 
 def _src_bytes(view: Any) -> np.ndarray:
@@ -214,6 +230,11 @@ class WeightSubscriber:
         self._lock = threading.Lock()
         self._cached_version: int | None = None     # newest version this process pulled for its node
         self._last_whole: tuple[bytes, _Compiled] | None = None   # the last whole-state plan
+        self._last_marker: tuple[bytes, dict] | None = None       # the last marker read, parsed
+        # (marker bytes, marker, plan, part keys after the version prefix) of the last
+        # whole-state fetch from this arena: the next version of an unchanged model has
+        # the same marker bytes, so its marker and parts are read in one mget
+        self._whole: tuple[bytes, dict, _Compiled, list[str]] | None = None
         self._remote = is_remote(store)             # parts on other machines (a cluster store)
 
     def __reduce__(self):
@@ -275,19 +296,43 @@ class WeightSubscriber:
         """
         self._prepared = True
         try:
-            self._compile(self._marker(version)["structure"], None, version)
+            self._compile(self._marker(version)[1]["structure"], None, version)
         except (KeyError, ValueError, TypeError):
             pass                                 # retired meanwhile, or unreadable: fetch() will say
 
-    def _marker(self, version: int) -> dict:
-        marker = self.board.completion(version)
-        if marker is None:
+    def _marker(self, version: int) -> tuple[bytes, dict]:
+        """``version``'s marker: its bytes and its parsed form (shared with the last
+        marker of the same bytes: do not mutate it)."""
+        raw = self.store.get(self.board.complete_key(version))
+        if raw is None:
             raise KeyError(self._gone(version))
+        raw = bytes(raw)
+        last = self._last_marker
+        if last is not None and last[0] == raw:
+            return last
+        marker = parse_marker(raw)
         if marker.get("format") != FORMAT:
             raise ValueError(f"version {version} of {self.name!r} was published by another version of "
                              f"yrcache (format {marker.get('format')}, this one reads {FORMAT}); "
                              "run publishers and subscribers on the same yrcache")
-        return marker
+        self._last_marker = got = (raw, marker)
+        return got
+
+    def _snapshot(self, version: int) -> tuple[dict, _Compiled, list[str], list] | None:
+        """A whole-state fetch's marker and parts in one ``mget``, when ``version``'s
+        marker is the same bytes as the last whole fetch's (the same publishers of an
+        unchanged model: same plan, same part keys after the version prefix); None
+        otherwise, and the caller reads the marker first."""
+        last = self._whole
+        if last is None:
+            return None
+        raw, marker, c, suffixes = last
+        prefix = self.board.version_prefix(version)
+        keys = [prefix + k for k in suffixes]
+        got = self.store.mget([self.board.complete_key(version), *keys])
+        if got[0] is None or bytes(got[0]) != raw:
+            return None
+        return marker, c, keys, got[1:]
 
     def _compile(self, structure: bytes, layout, version: int) -> _Compiled:
         """The fetch plan for ``layout`` over a version structure, cached."""
@@ -394,24 +439,34 @@ class WeightSubscriber:
         """
         t0 = time.perf_counter()
         version = _check_version(version)
-        marker = self._marker(version)
-        c = self._compile(marker["structure"], layout, version)
+        snap = self._snapshot(version) if layout is None and not self._remote else None
+        if snap is not None:
+            marker, c, keys, views = snap
+        else:
+            raw, marker = self._marker(version)
+            c = self._compile(marker["structure"], layout, version)
+            nonces = marker["nonces"]
+            suffixes = [part_suffix(rank, nonces[rank], tensor) for tensor, rank in c.refs]
+            prefix = self.board.version_prefix(version)
+            keys, views = [prefix + k for k in suffixes], None
+            if layout is None and not self._remote:
+                self._whole = (raw, marker, c, suffixes)
         into = dict(into) if into else {}
         extra = [n for n in into if n not in c.names] if into else None
         if extra:
             raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
                              f"{sorted(c.names)[:20]})")
-        nonces, part_key = marker["nonces"], self.board.part_key
-        keys = [part_key(version, rank, nonces[rank], tensor) for tensor, rank in c.refs]
         targets, net = c.targets, {}
         if self._remote:                               # parts on other machines: ranged reads
-            views = None
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
-            views = self.store.mget(keys)              # one atomic, pinned snapshot
+            if views is None:
+                views = self.store.mget(keys)          # one atomic, pinned snapshot
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
-            bufs = [_src_bytes(v) for v in views]
+            # (a whole part of a small state is copied as it is stored: see _whole_part)
+            small = not into and dtype is None and c.needed < PREFAULT_MIN_BYTES
+            bufs = None if small else [_src_bytes(v) for v in views]
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
@@ -431,8 +486,16 @@ class WeightSubscriber:
             stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, self.name, version) as bar:
             for t in targets:
-                out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
-                                           into.get(t.name), dtype, stager)
+                got = None
+                if bufs is None:                       # a small state read here: views are set
+                    assert views is not None
+                    got = _whole_part(t, views)
+                    if got is None:
+                        bufs = [_src_bytes(v) for v in views]
+                if got is None:
+                    got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
+                                       into.get(t.name), dtype, stager)
+                out[t.name] = got
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
             if stager is not None:

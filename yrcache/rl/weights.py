@@ -12,7 +12,7 @@ do not use keys starting with ``__rl__/`` for anything else)::
     __rl__/<name>/started/<v:020d>            a rank began publishing v (empty)
     __rl__/<name>/v/<v:020d>/p/<rank>/<nonce>/<tensor>   one stored part
     __rl__/<name>/v/<v:020d>/m/<rank:06d>     rank's JSON manifest of v
-    __rl__/<name>/complete/<v:020d>           v is visible (JSON: world, keep, nonces)
+    __rl__/<name>/complete/<v:020d>           v is visible (JSON: world, keep, nonces, placement)
 
 A rank writes its parts, then its manifest; whichever rank then sees all
 ``world`` manifests writes the ``complete`` marker (idempotently) and bumps the
