@@ -65,6 +65,13 @@ class VersionBoard:
         """The key of ``version``'s completion marker."""
         return f"{self.prefix}complete/{version:020d}"
 
+    def marker_and_part_keys(self, version: int, suffixes: list[str]) -> list[str]:
+        """``version``'s marker key, then its part keys (``suffixes`` from ``part_suffix``),
+        the version formatted once (a subscriber's wake-up path)."""
+        v = f"{version:020d}"
+        prefix = f"{self.prefix}v/{v}/"
+        return [f"{self.prefix}complete/{v}", *[prefix + k for k in suffixes]]
+
     def _started_key(self, version: int) -> str:
         return f"{self.prefix}started/{version:020d}"
 

@@ -327,12 +327,11 @@ class WeightSubscriber:
         if last is None:
             return None
         raw, marker, c, suffixes = last
-        prefix = self.board.version_prefix(version)
-        keys = [prefix + k for k in suffixes]
-        got = self.store.mget([self.board.complete_key(version), *keys])
+        keys = self.board.marker_and_part_keys(version, suffixes)
+        got = self.store.mget(keys)
         if got[0] is None or bytes(got[0]) != raw:
             return None
-        return marker, c, keys, got[1:]
+        return marker, c, keys[1:], got[1:]
 
     def _compile(self, structure: bytes, layout, version: int) -> _Compiled:
         """The fetch plan for ``layout`` over a version structure, cached."""
