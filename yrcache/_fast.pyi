@@ -15,6 +15,13 @@ class HotPath:
     def read(self, key: Any, /) -> tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
         """(header + payload, header length) of a small DRAM value; (header, payload offset,
         size, pin, block) of a larger one it pinned; None for a miss; else False."""
+    def get(self, key: Any, /) -> memoryview | Any | tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
+        """``read``, except that a small bytes value, or a small 1-D array of a header
+        registered with ``flat``, comes back as ``TieredStore.get`` returns it (read-only,
+        over a private copy)."""
+    def flat(self, meta: bytes, dtype: Any, itemsize: int, frombuffer: Any, /) -> bool:
+        """From now on ``get`` builds the small values with this 1-D ndarray header as
+        ``frombuffer(private copy, dtype)``; False when 16 headers are registered already."""
     def put(self, key: Any, meta: bytes, payload: Any, prefaulted: bool, /) -> bool:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
     def close(self) -> None:

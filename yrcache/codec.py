@@ -178,11 +178,10 @@ def copied_decoder(meta: bytes) -> Callable[[bytes, int, int], Any]:
     kind = meta[:1]
     if kind == b"N":
         whole = decoder(meta)             # parses and checks the header once
-        _, dt, shape_s = meta.decode().split(";")
-        dtype = np.dtype(dt)
-        size = dtype.itemsize
-        if "," in shape_s or not shape_s:
+        dtype = flat_dtype(meta)
+        if dtype is None:
             return lambda data, off, n: whole(memoryview(data)[off:off + n], n)
+        size = dtype.itemsize
 
         def build_flat(data, off, n):
             return np.frombuffer(data, dtype, n // size, off)
@@ -192,6 +191,20 @@ def copied_decoder(meta: bytes) -> Callable[[bytes, int, int], Any]:
         return lambda data, off, n: build(bytearray(memoryview(data)[off:off + n]), n)
     build = decoder(meta)
     return lambda data, off, n: build(memoryview(data)[off:off + n], n)
+
+
+@lru_cache(maxsize=4096)
+def flat_dtype(meta: bytes) -> np.dtype | None:
+    """The dtype of a valid 1-D ndarray header, whose values are ``np.frombuffer(payload,
+    dtype)`` and nothing more (the C hot path builds those: ``HotPath.flat``); else None."""
+    if meta[:1] != b"N":
+        return None
+    decoder(meta)                         # refuses a corrupt header
+    _, dt, shape_s = meta.decode().split(";")
+    if "," in shape_s or not shape_s:
+        return None
+    dtype = np.dtype(dt)
+    return dtype if dtype.itemsize else None
 
 
 def describe(meta: bytes) -> dict:

@@ -361,16 +361,23 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         """
         a = self._a
         if self._hbm is None:      # the hot path: a DRAM value or a miss in one C call (else: False)
-            hit = a.hot.read(key)
+            hit = a.hot.get(key)
             if hit.__class__ is tuple:
                 if len(hit) == 2:  # (header + payload, header length): a small value copied out
                     data, mlen = hit
                     value = self._small_value(data, 0, mlen, len(data) - mlen, key)
+                    if data[:1] == b"N":               # a 1-D array's next gets: built in C
+                        meta = data[:mlen]
+                        dt = codec.flat_dtype(meta)
+                        if dt is not None:
+                            a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
                 else:              # (header, payload offset, size, pin, block): a pinned one
                     value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
             if hit is None:
                 return default
+            if hit is not False:   # a small bytes value or 1-D array, built in C
+                return codec.private_copy(hit) if copy else hit
         kb = key_bytes(key)
         deadline = None
         while True:

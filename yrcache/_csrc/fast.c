@@ -12,7 +12,11 @@
  * read(key) returns (data, meta_len) for a small DRAM object copied out (data:
  * its codec header then its payload, private bytes); (meta, payload_off,
  * nbytes, pin, block_off) for a larger DRAM object it pinned under `slot`; and
- * None when the key is missing; mread(keys) gives a list of those, read in one
+ * None when the key is missing; get(key) is read(key), except that a small
+ * bytes value comes back as the read-only memoryview TieredStore.get returns,
+ * and a small 1-D array whose header was registered with flat() as the
+ * read-only ndarray it returns;
+ * mread(keys) gives a list of those, read in one
  * lock hold.  put(key, meta, payload, prefaulted) stores a
  * payload in DRAM and returns True.  Both return False whenever the caller
  * must take the general path: a key that is not a plain valid str (the general
@@ -30,6 +34,13 @@
 #define MREAD_BYTES (64 << 10)   /* room for the small values one batch read copies out */
 #define MREAD_MAX 65536           /* keys in one batch read here */
 #define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
+#define FLAT_MAX 16              /* headers of 1-D arrays whose small values get builds here */
+
+typedef struct {                 /* a 1-D ndarray header and the dtype to build its values with */
+    PyObject *meta;              /* bytes */
+    PyObject *dtype;
+    Py_ssize_t itemsize;
+} Flat;
 
 typedef struct {
     PyObject_HEAD
@@ -41,7 +52,19 @@ typedef struct {
     unsigned int slot;
     Py_ssize_t max_key;
     uint32_t cap;
+    int nflat;
+    Flat flat[FLAT_MAX];
+    PyObject *frombuffer;        /* numpy.frombuffer, once a header is registered */
 } HotPath;
+
+static void HotPath_dealloc(HotPath *self) {
+    for (int i = 0; i < self->nflat; i++) {
+        Py_DECREF(self->flat[i].meta);
+        Py_DECREF(self->flat[i].dtype);
+    }
+    Py_XDECREF(self->frombuffer);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
 
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
     unsigned long long read, put, mread, unpin, base;
@@ -79,7 +102,7 @@ static const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
     return kb;
 }
 
-static PyObject *HotPath_read(HotPath *self, PyObject *key) {
+static PyObject *read_key(HotPath *self, PyObject *key, int views) {
     Py_ssize_t klen;
     const char *kb = key_of(self, key, &klen);
     if (!kb) Py_RETURN_FALSE;
@@ -89,6 +112,30 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     Py_BEGIN_ALLOW_THREADS   /* the arena lock may be contended: let other threads run */
     r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap, 1);
     Py_END_ALLOW_THREADS
+    if (r == 1 && views && info.meta_len == 1 && buf[0] == 'B') {
+        /* a small bytes value: get's read-only view of a private copy, built here */
+        PyObject *data = PyBytes_FromStringAndSize(buf + 1, (Py_ssize_t)info.nbytes);
+        if (!data) return NULL;
+        PyObject *view = PyMemoryView_FromObject(data);
+        Py_DECREF(data);
+        return view;
+    }
+    if (r == 1 && views && buf[0] == 'N') {
+        /* a small 1-D array of a registered header: numpy.frombuffer over a private copy */
+        for (int i = 0; i < self->nflat; i++) {
+            Flat *f = &self->flat[i];
+            if (PyBytes_GET_SIZE(f->meta) != (Py_ssize_t)info.meta_len ||
+                memcmp(PyBytes_AS_STRING(f->meta), buf, info.meta_len))
+                continue;
+            if (info.nbytes % (uint64_t)f->itemsize) break;     /* odd: the general path says so */
+            PyObject *data = PyBytes_FromStringAndSize(buf + info.meta_len, (Py_ssize_t)info.nbytes);
+            if (!data) return NULL;
+            PyObject *args[2] = {data, f->dtype};
+            PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
+            Py_DECREF(data);
+            return arr;
+        }
+    }
     if (r == 1) {            /* copied out: (header + payload, header length) */
         PyObject *data = PyBytes_FromStringAndSize(buf, (Py_ssize_t)info.meta_len + (Py_ssize_t)info.nbytes);
         return data ? Py_BuildValue("(NI)", data, info.meta_len) : NULL;
@@ -103,6 +150,14 @@ static PyObject *HotPath_read(HotPath *self, PyObject *key) {
     }
     if (r == YR_ENOTFOUND) Py_RETURN_NONE;
     Py_RETURN_FALSE;
+}
+
+static PyObject *HotPath_read(HotPath *self, PyObject *key) {
+    return read_key(self, key, 0);
+}
+
+static PyObject *HotPath_get(HotPath *self, PyObject *key) {
+    return read_key(self, key, 1);
 }
 
 /* A batch read: the list mget builds its values from, or False. */
@@ -206,6 +261,30 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
+static PyObject *HotPath_flat(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4 || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "flat(meta: bytes, dtype, itemsize: int, frombuffer)");
+        return NULL;
+    }
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
+    if (itemsize <= 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "flat(): itemsize must be > 0");
+        return NULL;
+    }
+    Py_ssize_t mlen = PyBytes_GET_SIZE(args[0]);
+    for (int i = 0; i < self->nflat; i++)
+        if (PyBytes_GET_SIZE(self->flat[i].meta) == mlen &&
+            !memcmp(PyBytes_AS_STRING(self->flat[i].meta), PyBytes_AS_STRING(args[0]), (size_t)mlen))
+            Py_RETURN_TRUE;
+    if (self->nflat == FLAT_MAX) Py_RETURN_FALSE;
+    Flat *f = &self->flat[self->nflat++];
+    f->meta = Py_NewRef(args[0]);
+    f->dtype = Py_NewRef(args[1]);
+    f->itemsize = itemsize;
+    Py_XSETREF(self->frombuffer, Py_NewRef(args[3]));
+    Py_RETURN_TRUE;
+}
+
 static PyObject *HotPath_close(HotPath *self, PyObject *unused) {
     self->base = NULL;        /* every later call takes the general path */
     Py_RETURN_NONE;
@@ -215,12 +294,18 @@ static PyMethodDef HotPath_methods[] = {
     {"read", (PyCFunction)HotPath_read, METH_O,
      "read(key) -> (data, meta_len) | (meta, payload_off, nbytes, pin, block_off) | None | False: "
      "a small DRAM value copied out, a larger one pinned, a miss, or False (take the general path)."},
+    {"get", (PyCFunction)HotPath_get, METH_O,
+     "get(key) -> memoryview | ndarray | what read(key) returns: read, except that a small bytes "
+     "value or 1-D array of a registered header comes back as get returns it (read-only, private)."},
     {"mread", (PyCFunction)HotPath_mread, METH_O,
      "mread(keys: list) -> list | False: per key None (missing), (data, meta_len) (copied out) or "
      "(meta, payload_off, nbytes, pin, block_off) (pinned), read in one lock hold; or False."},
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
      "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},
+    {"flat", (PyCFunction)(void (*)(void))HotPath_flat, METH_FASTCALL,
+     "flat(meta, dtype, itemsize, frombuffer) -> bool: from now on get builds a small value with "
+     "this 1-D ndarray header as frombuffer(private copy, dtype); False when 16 are registered."},
     {"close", (PyCFunction)HotPath_close, METH_NOARGS,
      "close(): forget the mapping; later calls return False."},
     {NULL, NULL, 0, NULL},
@@ -239,6 +324,7 @@ static PyTypeObject HotPathType = {
     .tp_basicsize = sizeof(HotPath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)HotPath_dealloc,
     .tp_init = (initproc)HotPath_init,
     .tp_methods = HotPath_methods,
     .tp_members = HotPath_members,
