@@ -31,7 +31,7 @@
 #define HIDDEN __attribute__((visibility("hidden")))
 
 #define MAGIC       0x3145484341435259ULL /* "YRCACHE1" little endian */
-#define LAYOUT      4
+#define LAYOUT      5
 #define ALIGN       64
 #define BLK_HDR     128
 #define MIN_BLOCK   128
@@ -108,6 +108,9 @@ typedef struct {
     uint32_t sl_levels;
     uint32_t pad1;
     uint64_t sl_rng;
+    uint64_t sl_finger[SL_MAX]; /* the search path to the last key inserted (sorted.c) */
+    uint32_t sl_finger_ok;      /* none of its nodes has left the list since */
+    uint32_t pad2;
     char     config[YR_CONFIG_BYTES];  /* the creator's settings (JSON), read by attachers */
     char     lockpad[0] __attribute__((aligned(64)));
     pthread_mutex_t lock;

@@ -7,7 +7,13 @@
  * kept in the `prev` field, which only free blocks use otherwise.  Internal
  * keys (named words) are not listed.  The list is derived state: recovery
  * rebuilds it from the live blocks.  Every function here runs under the
- * arena lock. */
+ * arena lock.
+ *
+ * A search for a key above the last key inserted starts from that insert's
+ * search path (the finger) wherever it is further along, so keys inserted in
+ * order (a run of puts of s/0000001, s/0000002, ...) cost a few comparisons
+ * on cached nodes instead of a walk from the head through nodes spread over
+ * the whole arena.  The finger holds while none of its nodes leaves the list. */
 #include "internal.h"
 
 static inline uint64_t *next_of(hdr_t *h, uint64_t off, uint32_t level) {
@@ -32,8 +38,11 @@ uint32_t sl_random_level(hdr_t *h) {
 /* pred[i]: the last node (0: the head) whose key is below `key` on level i. */
 static void search(hdr_t *h, const char *key, uint32_t n, uint64_t *pred) {
     uint64_t x = 0;
+    int finger = h->sl_finger_ok && h->sl_finger[0] && cmp_key(AT(h, h->sl_finger[0]), key, n) < 0;
     for (int i = (int)h->sl_levels - 1; i >= 0; i--) {
-        uint64_t nx;
+        uint64_t nx, f = finger ? h->sl_finger[i] : 0;
+        /* the finger's node on this level is below `key` too: start from it if it is further */
+        if (f && (!x || cmp_key(AT(h, f), KEY(AT(h, x)), AT(h, x)->klen) > 0)) x = f;
         while ((nx = *next_of(h, x, i)) && cmp_key(AT(h, nx), key, n) < 0) x = nx;
         pred[i] = x;
     }
@@ -51,12 +60,17 @@ void sl_insert(hdr_t *h, uint64_t off) {
         FWD(b)[i] = *link;
         *link = off;
     }
+    for (uint32_t i = 0; i < SL_MAX; i++)
+        h->sl_finger[i] = i < level ? off : i < h->sl_levels ? pred[i] : 0;
+    h->sl_finger_ok = 1;
 }
 
 void sl_remove(hdr_t *h, uint64_t off) {
     blk_t *b = AT(h, off);
     uint64_t pred[SL_MAX];
     search(h, KEY(b), b->klen, pred);
+    for (uint32_t i = 0; i < SL_MAX; i++)
+        if (h->sl_finger[i] == off) h->sl_finger_ok = 0;
     for (uint32_t i = 0; i < SL_LEVEL(b) && i < h->sl_levels; i++) {
         uint64_t *link = next_of(h, pred[i], i);
         if (*link == off) *link = FWD(b)[i];
@@ -77,6 +91,7 @@ uint64_t sl_seek(hdr_t *h, const char *key, uint32_t n, int after) {
 void sl_reset(hdr_t *h) {
     memset(h->sl_head, 0, sizeof(h->sl_head));
     h->sl_levels = 0;
+    h->sl_finger_ok = 0;
 }
 
 /* Walk level 0: keys strictly increasing, every node live and listed once.
