@@ -9,11 +9,14 @@
  * rebuilds it from the live blocks.  Every function here runs under the
  * arena lock.
  *
- * A search for a key above the last key inserted starts from that insert's
- * search path (the finger) wherever it is further along, so keys inserted in
- * order (a run of puts of s/0000001, s/0000002, ...) cost a few comparisons
- * on cached nodes instead of a walk from the head through nodes spread over
- * the whole arena.  The finger holds while none of its nodes leaves the list. */
+ * The finger is the search path of the last insert or removal: for each
+ * level, the last node below that key (after an insert, the new node itself
+ * on its levels).  A search for a key above the finger's lowest node starts
+ * from it wherever it is further along, so keys put in order (s/0000001,
+ * s/0000002, ...), and an overwrite (the removal of the old block, then the
+ * insert of the new one, of the same key) cost a few comparisons on cached
+ * nodes instead of a walk from the head through nodes spread over the arena.
+ * Every insert and removal sets it anew, so it never names a node that left. */
 #include "internal.h"
 
 static inline uint64_t *next_of(hdr_t *h, uint64_t off, uint32_t level) {
@@ -39,6 +42,7 @@ uint32_t sl_random_level(hdr_t *h) {
 static void search(hdr_t *h, const char *key, uint32_t n, uint64_t *pred) {
     uint64_t x = 0;
     int finger = h->sl_finger_ok && h->sl_finger[0] && cmp_key(AT(h, h->sl_finger[0]), key, n) < 0;
+    /* (sl_finger[0] is the finger's highest key: every node on it is below `key` too) */
     for (int i = (int)h->sl_levels - 1; i >= 0; i--) {
         uint64_t nx, f = finger ? h->sl_finger[i] : 0;
         /* the finger's node on this level is below `key` too: start from it if it is further */
@@ -46,6 +50,14 @@ static void search(hdr_t *h, const char *key, uint32_t n, uint64_t *pred) {
         while ((nx = *next_of(h, x, i)) && cmp_key(AT(h, nx), key, n) < 0) x = nx;
         pred[i] = x;
     }
+}
+
+/* The finger after a search that found `pred` (levels 0..levels-1; above: the
+ * head), `off` on its lowest `level` levels (an insert), or none (a removal). */
+static void set_finger(hdr_t *h, const uint64_t *pred, uint32_t levels, uint64_t off, uint32_t level) {
+    for (uint32_t i = 0; i < SL_MAX; i++)
+        h->sl_finger[i] = i < level ? off : i < levels ? pred[i] : 0;
+    h->sl_finger_ok = 1;
 }
 
 void sl_insert(hdr_t *h, uint64_t off) {
@@ -60,21 +72,18 @@ void sl_insert(hdr_t *h, uint64_t off) {
         FWD(b)[i] = *link;
         *link = off;
     }
-    for (uint32_t i = 0; i < SL_MAX; i++)
-        h->sl_finger[i] = i < level ? off : i < h->sl_levels ? pred[i] : 0;
-    h->sl_finger_ok = 1;
+    set_finger(h, pred, h->sl_levels, off, level);
 }
 
 void sl_remove(hdr_t *h, uint64_t off) {
     blk_t *b = AT(h, off);
     uint64_t pred[SL_MAX];
     search(h, KEY(b), b->klen, pred);
-    for (uint32_t i = 0; i < SL_MAX; i++)
-        if (h->sl_finger[i] == off) h->sl_finger_ok = 0;
     for (uint32_t i = 0; i < SL_LEVEL(b) && i < h->sl_levels; i++) {
         uint64_t *link = next_of(h, pred[i], i);
         if (*link == off) *link = FWD(b)[i];
     }
+    set_finger(h, pred, h->sl_levels, 0, 0);     /* (a level left empty had the head as pred) */
     while (h->sl_levels && !h->sl_head[h->sl_levels - 1]) h->sl_levels--;
 }
 
