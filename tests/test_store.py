@@ -13,6 +13,7 @@ import pytest
 from store_suite import StoreSuite  # noqa: E402
 
 from yrcache import Tier, TieredStore  # noqa: E402
+from yrcache.errors import UntrustedStoreError  # noqa: E402
 from procs import drop_failed_test_locals  # noqa: E402
 
 # Every test ends with gc.collect() (conftest's store_name); with torch loaded
@@ -202,6 +203,30 @@ def test_small_bytes_and_1d_arrays_are_built_by_the_c_get(make_store):
         assert s[f"n{n}"].tolist() == list(range(n))
     assert hot.flat(b"N;<i2;99", np.dtype(np.int16), 2, np.frombuffer) is False
     assert isinstance(hot.get("n19"), tuple) and isinstance(hot.get("n1"), np.ndarray)
+    # mget builds them the same way, in one lock hold
+    got = hot.mget(["b", "a", "m", "missing"])
+    assert [type(g) for g in got] == [memoryview, np.ndarray, tuple, type(None)]
+    vals = s.mget(["b", "a", "m", "n19", "missing"])
+    assert bytes(vals[0]) == b"xyz" and vals[1].tolist() == [0, 1, 2, 3, 4] and vals[2].shape == (2, 3)
+    assert vals[3].tolist() == list(range(19)) and vals[4] is None and not vals[1].flags.writeable
+    # a batch that fails midway releases the pins after the failure, and only those
+    with TieredStore.attach(s.name, pickle=True) as trusting:
+        trusting["obj"] = {"x": 1}
+    s["five"], s["big"] = b"12345", np.ones(64 << 10, np.uint8)
+    with pytest.raises(UntrustedStoreError):
+        s.mget(["obj", "five", "a", "big"])
+    gc.collect()
+    assert s.stats()["pinned_bytes"] == 0 and bytes(s["five"]) == b"12345"
+    # what unpin_hits releases: the 5-tuples only, never a value that happens to have 5 items
+    from yrcache.store_ops import unpin_hits
+
+    class Pins:
+        released: list = []
+
+        def unpin(self, pin):
+            self.released.append(pin)
+    unpin_hits(Pins(), [memoryview(b"12345"), np.arange(5), None, (b"N", 0, 8, 42, 0), (b"B\x00", 1)])
+    assert Pins.released == [42]
 
 
 def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):

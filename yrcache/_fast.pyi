@@ -12,6 +12,9 @@ class HotPath:
     def mread(self, keys: list, /) -> list | Literal[False]:
         """Per key None, (data, meta_len) or (meta, payload_off, nbytes, pin, block), in one
         lock hold; False: take the general path (nothing is pinned then)."""
+    def mget(self, keys: list, /) -> list | Literal[False]:
+        """``mread``, except that small bytes values and 1-D arrays of registered headers
+        come back as ``get`` returns them."""
     def read(self, key: Any, /) -> tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
         """(header + payload, header length) of a small DRAM value; (header, payload offset,
         size, pin, block) of a larger one it pinned; None for a miss; else False."""

@@ -42,6 +42,13 @@ _MISSING = object()
 _PLAIN_TYPES = (np.ndarray, bytes, bytearray)
 
 
+def _learn_flat(a: Arena, meta: bytes) -> None:
+    """Have the C hot path build the small values of a 1-D array header from now on."""
+    dt = codec.flat_dtype(meta)
+    if dt is not None:
+        a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
+
+
 class TieredStore(StoreOps, MutableMapping[str, Value]):
     """An embedded tiered key-value store for bytes, arrays and tensors.
 
@@ -366,11 +373,8 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 if len(hit) == 2:  # (header + payload, header length): a small value copied out
                     data, mlen = hit
                     value = self._small_value(data, 0, mlen, len(data) - mlen, key)
-                    if data[:1] == b"N":               # a 1-D array's next gets: built in C
-                        meta = data[:mlen]
-                        dt = codec.flat_dtype(meta)
-                        if dt is not None:
-                            a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
+                    if data[:1] == b"N":
+                        _learn_flat(a, data[:mlen])
                 else:              # (header, payload offset, size, pin, block): a pinned one
                     value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
@@ -423,15 +427,20 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         """
         a = self._a
         keys = keys if type(keys) is list else list(keys)
-        hits = a.hot.mread(keys) if self._hbm is None and keys else False   # one C call (or False)
+        hits = a.hot.mget(keys) if self._hbm is None and keys else False   # one C call (or False)
         if hits is not False:
             out: list[Any] = []
             try:
                 for key, hit in zip(keys, hits):
-                    if hit is None or len(hit) == 5:       # missing, or pinned
-                        out.append(hit and self._pinned_value(a, hit, key))
+                    if hit.__class__ is not tuple:         # missing, or built in C
+                        out.append(hit)
+                    elif len(hit) == 5:                   # pinned
+                        out.append(self._pinned_value(a, hit, key))
                     else:                                 # a small value, copied out
-                        out.append(self._small_value(hit[0], 0, hit[1], len(hit[0]) - hit[1], key))
+                        data, mlen = hit
+                        out.append(self._small_value(data, 0, mlen, len(data) - mlen, key))
+                        if data[:1] == b"N":
+                            _learn_flat(a, data[:mlen])
             except BaseException:   # the failed one released its pin; release the rest
                 unpin_hits(a, hits[len(out) + 1:])
                 raise

@@ -387,9 +387,10 @@ def _raw_view(buf: Any, nbytes: int) -> memoryview:
 
 
 def unpin_hits(a: Arena, hits: list) -> None:
-    """Release the pins of hot-path reads nobody took over (``HotPath.mread``'s pinned items)."""
+    """Release the pins of hot-path reads nobody took over (the pinned items of
+    ``HotPath.mread`` or ``HotPath.mget``: 5-tuples; the rest pin nothing)."""
     for hit in hits:
-        if hit is not None and len(hit) == 5:
+        if hit.__class__ is tuple and len(hit) == 5:
             a.unpin(hit[3])
 
 

@@ -15,7 +15,7 @@
  * None when the key is missing; get(key) is read(key), except that a small
  * bytes value comes back as the read-only memoryview TieredStore.get returns,
  * and a small 1-D array whose header was registered with flat() as the
- * read-only ndarray it returns;
+ * read-only ndarray it returns (and mget(keys) is mread(keys) with the same values);
  * mread(keys) gives a list of those, read in one
  * lock hold.  put(key, meta, payload, prefaulted) stores a
  * payload in DRAM and returns True.  Both return False whenever the caller
@@ -102,6 +102,36 @@ static const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
     return kb;
 }
 
+/* A small value copied out to `p` (its header, then its payload): with `views`, a
+ * bytes value or a 1-D array of a registered header as get returns it (read-only,
+ * over a private copy); else, and for every other kind, (header + payload, header
+ * length), which Python decodes. */
+static PyObject *small_value(HotPath *self, const char *p, uint32_t meta_len, uint64_t nbytes, int views) {
+    if (views && meta_len == 1 && p[0] == 'B') {
+        PyObject *data = PyBytes_FromStringAndSize(p + 1, (Py_ssize_t)nbytes);
+        if (!data) return NULL;
+        PyObject *view = PyMemoryView_FromObject(data);
+        Py_DECREF(data);
+        return view;
+    }
+    if (views && p[0] == 'N') {
+        for (int i = 0; i < self->nflat; i++) {
+            Flat *f = &self->flat[i];
+            if (PyBytes_GET_SIZE(f->meta) != (Py_ssize_t)meta_len || memcmp(PyBytes_AS_STRING(f->meta), p, meta_len))
+                continue;
+            if (nbytes % (uint64_t)f->itemsize) break;          /* odd: the general path says so */
+            PyObject *data = PyBytes_FromStringAndSize(p + meta_len, (Py_ssize_t)nbytes);
+            if (!data) return NULL;
+            PyObject *args[2] = {data, f->dtype};
+            PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
+            Py_DECREF(data);
+            return arr;
+        }
+    }
+    PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)meta_len + (Py_ssize_t)nbytes);
+    return data ? Py_BuildValue("(NI)", data, meta_len) : NULL;
+}
+
 static PyObject *read_key(HotPath *self, PyObject *key, int views) {
     Py_ssize_t klen;
     const char *kb = key_of(self, key, &klen);
@@ -112,34 +142,7 @@ static PyObject *read_key(HotPath *self, PyObject *key, int views) {
     Py_BEGIN_ALLOW_THREADS   /* the arena lock may be contended: let other threads run */
     r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap, 1);
     Py_END_ALLOW_THREADS
-    if (r == 1 && views && info.meta_len == 1 && buf[0] == 'B') {
-        /* a small bytes value: get's read-only view of a private copy, built here */
-        PyObject *data = PyBytes_FromStringAndSize(buf + 1, (Py_ssize_t)info.nbytes);
-        if (!data) return NULL;
-        PyObject *view = PyMemoryView_FromObject(data);
-        Py_DECREF(data);
-        return view;
-    }
-    if (r == 1 && views && buf[0] == 'N') {
-        /* a small 1-D array of a registered header: numpy.frombuffer over a private copy */
-        for (int i = 0; i < self->nflat; i++) {
-            Flat *f = &self->flat[i];
-            if (PyBytes_GET_SIZE(f->meta) != (Py_ssize_t)info.meta_len ||
-                memcmp(PyBytes_AS_STRING(f->meta), buf, info.meta_len))
-                continue;
-            if (info.nbytes % (uint64_t)f->itemsize) break;     /* odd: the general path says so */
-            PyObject *data = PyBytes_FromStringAndSize(buf + info.meta_len, (Py_ssize_t)info.nbytes);
-            if (!data) return NULL;
-            PyObject *args[2] = {data, f->dtype};
-            PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
-            Py_DECREF(data);
-            return arr;
-        }
-    }
-    if (r == 1) {            /* copied out: (header + payload, header length) */
-        PyObject *data = PyBytes_FromStringAndSize(buf, (Py_ssize_t)info.meta_len + (Py_ssize_t)info.nbytes);
-        return data ? Py_BuildValue("(NI)", data, info.meta_len) : NULL;
-    }
+    if (r == 1) return small_value(self, buf, info.meta_len, info.nbytes, views);   /* copied out */
     if (r == 0) {            /* pinned: the caller owns the pin from here on */
         PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + info.meta_off, info.meta_len);
         PyObject *t = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)info.payload_off,
@@ -161,7 +164,7 @@ static PyObject *HotPath_get(HotPath *self, PyObject *key) {
 }
 
 /* A batch read: the list mget builds its values from, or False. */
-static PyObject *HotPath_mread(HotPath *self, PyObject *keys) {
+static PyObject *mread_keys(HotPath *self, PyObject *keys, int views) {
     if (!PyList_CheckExact(keys)) Py_RETURN_FALSE;
     Py_ssize_t n = PyList_GET_SIZE(keys), total = 0;
     if (n == 0 || n > MREAD_MAX) Py_RETURN_FALSE;
@@ -208,8 +211,7 @@ static PyObject *HotPath_mread(HotPath *self, PyObject *keys) {
         if (found[i] == 0) {
             item = Py_NewRef(Py_None);
         } else if (found[i] == 2) {      /* copied: its header, then its payload right after */
-            PyObject *data = PyBytes_FromStringAndSize(buf + f->meta_off, (Py_ssize_t)f->meta_len + (Py_ssize_t)f->nbytes);
-            item = data ? Py_BuildValue("(NI)", data, f->meta_len) : NULL;
+            item = small_value(self, buf + f->meta_off, f->meta_len, f->nbytes, views);
         } else {
             PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + f->meta_off, f->meta_len);
             item = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)f->payload_off,
@@ -234,6 +236,14 @@ done:
     PyMem_Free(packed);
     PyMem_Free(buf);
     return out;
+}
+
+static PyObject *HotPath_mread(HotPath *self, PyObject *keys) {
+    return mread_keys(self, keys, 0);
+}
+
+static PyObject *HotPath_mget(HotPath *self, PyObject *keys) {
+    return mread_keys(self, keys, 1);
 }
 
 static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -300,6 +310,9 @@ static PyMethodDef HotPath_methods[] = {
     {"mread", (PyCFunction)HotPath_mread, METH_O,
      "mread(keys: list) -> list | False: per key None (missing), (data, meta_len) (copied out) or "
      "(meta, payload_off, nbytes, pin, block_off) (pinned), read in one lock hold; or False."},
+    {"mget", (PyCFunction)HotPath_mget, METH_O,
+     "mget(keys: list) -> list | False: mread, except that small bytes values and 1-D arrays of "
+     "registered headers come back as get returns them."},
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
      "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},
