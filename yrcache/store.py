@@ -501,7 +501,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
 
         From the arena's sorted index: costs a logarithmic search plus the
         matches, whatever the store holds, and takes the lock once per batch
-        of at most 512 keys, so concurrent writers are not stalled.  A key
+        of at most 128 keys, so concurrent writers are not stalled.  A key
         added or removed during the iteration may or may not appear; every
         other key appears once.  An iterator resumed after ``close()`` raises
         StoreClosedError.
