@@ -123,9 +123,9 @@ def _whole_part(t: _Target, views: list) -> Any:
     v = views[t.slots[pid]]
     if so or do or rows != 1 or n != t.plan.nbytes or tuple(v.shape) != t.shape:
         return None
-    if t.kind == "torch":
-        return v.clone() if v.dtype == getattr(_torch(), t.dtype) else None
-    return v.copy() if v.dtype.str == t.dtype else None
+    if t.kind == "torch":     # (a part some tier holds on a device is gathered to the host)
+        return v.clone() if v.device.type == "cpu" and v.dtype == getattr(_torch(), t.dtype) else None
+    return v.copy() if isinstance(v, np.ndarray) and v.dtype.str == t.dtype else None
 
 
 def _src_bytes(view: Any) -> np.ndarray:
