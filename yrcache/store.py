@@ -26,7 +26,7 @@ from .mover import Mover
 from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
-from .store_ops import StoreOps, unpin_hits
+from .store_ops import StoreOps, learn_flat, unpin_hits
 from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
@@ -40,13 +40,6 @@ __all__ = ["TieredStore", "Tier", "WriteMode", "key_bytes"]
 HBM_READ_TIMEOUT = 10.0    # seconds a reader waits for another process to demote an HBM object
 _MISSING = object()
 _PLAIN_TYPES = (np.ndarray, bytes, bytearray)
-
-
-def _learn_flat(a: Arena, meta: bytes) -> None:
-    """Have the C hot path build the small values of a 1-D array header from now on."""
-    dt = codec.flat_dtype(meta)
-    if dt is not None:
-        a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
 
 
 class TieredStore(StoreOps, MutableMapping[str, Value]):
@@ -373,8 +366,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                 if len(hit) == 2:  # (header + payload, header length): a small value copied out
                     data, mlen = hit
                     value = self._small_value(data, 0, mlen, len(data) - mlen, key)
-                    if data[:1] == b"N":
-                        _learn_flat(a, data[:mlen])
+                    learn_flat(a, data, mlen)
                 else:              # (header, payload offset, size, pin, block): a pinned one
                     value = self._pinned_value(a, hit, key)
                 return codec.private_copy(value) if copy else value
@@ -439,8 +431,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
                     else:                                 # a small value, copied out
                         data, mlen = hit
                         out.append(self._small_value(data, 0, mlen, len(data) - mlen, key))
-                        if data[:1] == b"N":
-                            _learn_flat(a, data[:mlen])
+                        learn_flat(a, data, mlen)
             except BaseException:   # the failed one released its pin; release the rest
                 unpin_hits(a, hits[len(out) + 1:])
                 raise

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
+
 from . import codec
 from .config import Tier, WriteMode, write_mode as _write_mode
 from .placement import RETRY, SMALL_VALUE
@@ -384,6 +386,17 @@ class StoreOps:
 
 def _raw_view(buf: Any, nbytes: int) -> memoryview:
     return memoryview(buf).cast("B").toreadonly()
+
+
+def learn_flat(a: Arena, data: bytes, mlen: int) -> None:
+    """After a small value copied out as ``data`` (header of ``mlen`` bytes, then
+    payload) was decoded in Python: if it is a 1-D array, have the C hot path build
+    the values of its header from now on."""
+    if data[:1] == b"N":
+        meta = data[:mlen]
+        dt = codec.flat_dtype(meta)
+        if dt is not None:
+            a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
 
 
 def unpin_hits(a: Arena, hits: list) -> None:

@@ -446,8 +446,7 @@ class WeightSubscriber:
             c = self._compile(marker["structure"], layout, version)
             nonces = marker["nonces"]
             suffixes = [part_suffix(rank, nonces[rank], tensor) for tensor, rank in c.refs]
-            prefix = self.board.version_prefix(version)
-            keys, views = [prefix + k for k in suffixes], None
+            keys, views = self.board.marker_and_part_keys(version, suffixes)[1:], None
             if layout is None and not self._remote:
                 self._whole = (raw, marker, c, suffixes)
         into = dict(into) if into else {}
