@@ -20,8 +20,8 @@ int yr_arena_init(void *base, uint64_t size, uint32_t nprocs, uint32_t npins) {
     if (size < yr_arena_min_size() || nprocs < 2 || npins < 2 || nprocs > MAX_PROCS ||
         npins > MAX_STATIC_PINS) return YR_EBADARENA;
     memset(h, 0, sizeof(hdr_t));
-    uint64_t nb = 1024;
-    while (nb < size / 8192 && nb < (1ULL << 30)) nb <<= 1;
+    uint64_t nb = 1024;   /* a bucket per KiB: a chain stays under one block on average */
+    while (nb < size / 1024 && nb < (1ULL << 30)) nb <<= 1;
     h->nbuckets = nb;
     h->nprocs = nprocs;
     h->npins = npins;

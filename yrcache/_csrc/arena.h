@@ -224,7 +224,8 @@ int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after
                 char *buf, uint64_t buflen, uint32_t maxkeys, uint64_t *more);
 /* iteration of objects for the placement policy, a bucket batch per call:
  * records of objects whose tier is in the `tiers` bit mask, from bucket
- * *cursor on (advanced; 0 at the end).  YR_EBUFFER with *need set when one
+ * *cursor on (advanced; 0 at the end), at most 16384 buckets per call (a batch
+ * may hold no record while the cursor is not 0).  YR_EBUFFER with *need set when one
  * bucket alone needs more room than given. */
 int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, uint32_t maxrecs,
                 char *keybuf, uint64_t keybuflen, uint64_t *need);

@@ -35,6 +35,10 @@ int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after
     return n;
 }
 
+/* Buckets one lock hold of a scan or an expiry sweep walks at most (~20-50 us
+ * of an index of empty buckets here): a caller loops until its cursor is 0. */
+#define SCAN_BUCKETS 16384
+
 static inline int scanned(blk_t *b, uint32_t tiers, double now) {
     return !expired(b, now) && !INTERNAL(b) && TIER_OF(b) < 32 && ((tiers >> TIER_OF(b)) & 1);
 }
@@ -45,8 +49,8 @@ int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, 
     double now = now_realtime();
     if (lock(h)) return YR_ELOCK;
     uint32_t n = 0;
-    uint64_t pos = 0, i = *cursor;
-    for (; i < h->nbuckets; i++) {
+    uint64_t pos = 0, i = *cursor, stop = i + SCAN_BUCKETS;
+    for (; i < h->nbuckets && i < stop; i++) {
         uint64_t cnt = 0, want = 0;
         for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
             blk_t *b = AT(h, off);
@@ -132,16 +136,18 @@ void yr_count(void *base, int which, uint64_t n) {
 
 int yr_expire(void *base, double now) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
     int n = 0;
-    if (!h->ttl_objects) { unlock(h); return 0; }   /* O(1) when nothing can expire */
-    for (uint64_t i = 0; i < h->nbuckets; i++) {
-        uint64_t *s = &BUCKETS(h)[i];
-        while (*s) {
-            if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
-            else s = &AT(h, *s)->next;
+    for (uint64_t i = 0; i < h->nbuckets;) {   /* a lock hold per SCAN_BUCKETS buckets */
+        if (lock(h)) return YR_ELOCK;
+        if (!h->ttl_objects) { unlock(h); return n; }   /* O(1) when nothing can expire */
+        for (uint64_t stop = i + SCAN_BUCKETS; i < h->nbuckets && i < stop; i++) {
+            uint64_t *s = &BUCKETS(h)[i];
+            while (*s) {
+                if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
+                else s = &AT(h, *s)->next;
+            }
         }
+        unlock(h);
     }
-    unlock(h);
     return n;
 }
