@@ -463,7 +463,8 @@ def test_forked_child_does_not_leak_segment_after_owner_close(make_store, store_
 # ----------------------------------------------------------- fork specifics
 
 
-def _forked_reads_inherited(view, expected_sum, started, parent_done):
+def _forked_reads_inherited(box, expected_sum, started, parent_done, s):
+    view = box.pop()          # (the arguments would keep it alive otherwise)
     started.set()
     assert parent_done.wait(30)
     # The parent deleted the key, dropped its view and wrote other data over
@@ -474,10 +475,12 @@ def _forked_reads_inherited(view, expected_sum, started, parent_done):
     assert int(view.sum()) == expected_sum
     del view
     gc.collect()
+    st = s.stats()    # the pin the child took over went with the view (not the parent's pin)
+    assert st["pinned_bytes"] == 0 and st["orphans"] == 0, st
     return True
 
 
-def _fork_view_scenario(make_store, wait_for_child: bool):
+def _fork_view_scenario(make_store, wait_for_child: bool, built_in_c: bool = False):
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -486,15 +489,18 @@ def _fork_view_scenario(make_store, wait_for_child: bool):
     arr[0] = 12345
     s.put("shared", arr)
     expected_sum = int(arr.sum())
-    v = s["shared"]
+    if built_in_c:     # the first view teaches the C hot path the header; the second is built there
+        assert s["shared"][0] == 12345
+    box = [s["shared"]]     # the only reference to the view, in the parent and (copied) in the child
+    assert (type(box[0].base).__name__ == "Pin") == built_in_c
     started, parent_done = ctx.Event(), ctx.Event()
-    p, q = start(ctx, _forked_reads_inherited, v, expected_sum, started, parent_done)
+    p, q = start(ctx, _forked_reads_inherited, box, expected_sum, started, parent_done, s)
     try:
         if wait_for_child:
             assert started.wait(30)
         # Delete and drop in the parent: only the child's re-pin keeps the block.
         assert s.delete("shared")
-        del v
+        box.clear()
         gc.collect()
         if wait_for_child:
             st = s.stats()
@@ -530,6 +536,13 @@ def test_fork_child_keeps_inherited_view_right_after_fork(make_store):
     returns, possibly before the child ran its at-fork hook: the inherited view
     must be protected from the fork itself, not from whenever the child runs."""
     _fork_view_scenario(make_store, wait_for_child=False)
+
+
+@pytest.mark.parametrize("wait_for_child", [True, False])
+def test_fork_child_keeps_inherited_view_built_in_c(make_store, wait_for_child):
+    """The same, with a view the C hot path built (its pin released by C in the
+    process that took it, by the Arena in a child that inherited it)."""
+    _fork_view_scenario(make_store, wait_for_child=wait_for_child, built_in_c=True)
 
 
 def _forked_uses_inherited_store(s, key):

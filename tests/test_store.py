@@ -168,6 +168,124 @@ class _Key(str):
     pass
 
 
+def test_put_value_finds_headers_in_c_for_learned_array_layouts(make_store):
+    """hot.put_value stores bytes, a bytearray and an ndarray whose layout (buffer
+    format, item size, shape) a put has taught it, with the header the codec
+    gives: arrays of the same shape but another dtype, arrays that are not
+    contiguous, not native-endian or not exact ndarrays never take a wrong one."""
+    s = make_store(dram="16MiB")
+    hot, pf = s._a.hot, s._a.prefaulted
+    assert hot.put_value("b", b"abc", pf) is True and hot.put_value("ba", bytearray(b"xy"), pf) is True
+    assert bytes(s["b"]) == b"abc" and bytes(s["ba"]) == b"xy"
+    f8 = np.arange(6, dtype=np.float64).reshape(2, 3)
+    assert hot.put_value("f", f8, pf) is None          # not learned yet: the caller encodes
+    s["f"] = f8                                          # ... and teaches it
+    assert hot.put_value("f", f8 + 1, pf) is True and s["f"].tolist() == (f8 + 1).tolist()
+    rng = np.random.default_rng(5)
+    dtypes = [np.bool_, np.int8, np.uint8, np.int16, np.float16, np.int32, np.uint32, np.float32,
+              np.int64, np.uint64, np.float64, np.complex64, np.complex128, np.longdouble]
+    shapes = [(), (0,), (3,), (2, 3), (3, 2), (6,), (1,) * 9]
+    for _ in range(2):                                   # the second round through learned layouts
+        for dt in dtypes:
+            for shape in shapes:
+                want = np.asarray(rng.random(shape) * 100).astype(dt)
+                key = f"{np.dtype(dt).str}/{shape}"
+                s[key] = want
+                got = s[key]
+                assert (got.dtype, got.shape) == (want.dtype, want.shape), key
+                assert np.array_equal(got, want), key
+    assert hot.put_value("x", np.zeros(6, np.int64), pf) is True
+    assert s["x"].dtype == np.int64                     # not float64's or uint64's header
+    assert hot.put_value("x", np.zeros((1,) * 9), pf) is None   # > 8 dims: never learned
+    assert hot.put_value("x", np.arange(12.0).reshape(3, 4)[:, ::2], pf) is False   # not contiguous
+    swapped = np.arange(6, dtype=">f8").reshape(2, 3)
+    s["sw"] = swapped                                    # stored native: the codec converted it
+    assert hot.put_value("sw", swapped, pf) is None and s["sw"].tolist() == swapped.tolist()
+    assert s["sw"].dtype == np.float64
+
+    class Sub(np.ndarray):
+        pass
+    assert hot.put_value("sub", np.zeros(6).view(Sub), pf) is False
+    assert hot.put_value("s", "text", pf) is False and hot.put_value("", b"x", pf) is False
+    # 32 layouts at most, the oldest replaced: every value still reads back right
+    for n in range(1, 41):
+        s[f"n{n}"] = np.arange(n, dtype=np.int32)
+    for n in range(1, 41):
+        s[f"n{n}"] = np.arange(n, dtype=np.int32) * 2
+        assert s[f"n{n}"].tolist() == [2 * i for i in range(n)]
+    assert hot.put_value("n40", np.arange(40, dtype=np.int32), pf) is True
+    assert hot.put_value("n1", np.arange(1, dtype=np.int32), pf) is None    # replaced
+    assert hot.learn(np.arange(3.0)[::2], b"N;<f8;2") is False      # what a buffer cannot describe
+
+
+def test_pinned_arrays_are_built_by_the_c_get(make_store):
+    """A larger ndarray whose header a get has taught the C hot path comes back
+    built there: the same read-only zero-copy view as the general path (nobody can
+    make it writable), reshaped, holding its pin until the last view built on it
+    dies, listed for a fork in the meantime; mget builds them the same way."""
+    s = make_store(dram="64MiB")
+    hot, a = s._a.hot, s._a
+    m = np.arange(6 << 10, dtype=np.float32).reshape(3, 2048)
+    s["m"], s["v"] = m, np.arange(8 << 10, dtype=np.int16)
+    t = hot.get("m")
+    assert isinstance(t, tuple) and len(t) == 5              # not registered yet: the caller owns the pin
+    a.unpin(t[3])
+    first = s["m"]                                           # registers its header
+    built = hot.get("m")
+    assert type(built) is np.ndarray and type(built.base.base).__name__ == "Pin"
+    assert (built.dtype, built.shape) == (np.float32, (3, 2048)) and np.array_equal(built, m)
+    assert not built.flags.writeable
+    with pytest.raises(ValueError):
+        built.flags.writeable = True
+    assert memoryview(built.base.base).readonly             # the pinned bytes are exported read-only
+    with pytest.raises(TypeError):
+        memoryview(built.base.base)[0:1] = b"x"
+    assert built.ctypes.data == first.ctypes.data            # zero-copy: the same stored bytes
+    assert len(a.views) == 2 and s.stats()["pinned_bytes"] >= m.nbytes     # two pins, one block
+    s["m"] = m * 2                                           # an overwrite leaves both views valid
+    assert np.array_equal(built, m) and np.array_equal(s["m"], m * 2)
+    del first, built
+    gc.collect()
+    assert a.views == {} and s.stats()["pinned_bytes"] == 0
+    s["v"] = np.arange(8 << 10, dtype=np.int16)
+    assert isinstance(s["v"], np.ndarray) and type(hot.get("v").base).__name__ == "Pin"   # 1-D: no reshape
+    c = s.get("v", copy=True)
+    c[0] = 7
+    assert c.flags.writeable and s["v"][0] == 0
+    got = s.mget(["m", "v", "missing"])
+    assert [type(g.base.base if g is not None and g.ndim > 1 else getattr(g, "base", None)).__name__
+            for g in got] == ["Pin", "Pin", "NoneType"]
+    assert np.array_equal(got[0], m * 2) and got[1].tolist() == list(range(8 << 10))
+    del got, c
+    gc.collect()
+    assert s.stats()["pinned_bytes"] == 0
+    # a header whose payload is not whole items is left to the general path
+    s["odd"] = np.zeros(9999, np.uint8)
+    assert hot.shaped(b"N;|u1;9999", np.dtype(np.uint16), 2, None, np.frombuffer) is True
+    t = hot.get("odd")
+    assert isinstance(t, tuple) and s["odd"].shape == (9999,)
+    a.unpin(t[3])
+    gc.collect()
+    # 16 headers, the oldest replaced: every value still reads back right
+    for n in range(20):
+        s[f"n{n}"] = np.full(4096 + n, n, np.int32)
+    for _ in range(2):
+        for n in range(20):
+            v = s[f"n{n}"]
+            assert v.shape == (4096 + n,) and int(v[-1]) == n
+    del v
+    gc.collect()
+    assert s.stats()["pinned_bytes"] == 0 and a.views == {}
+    # a view that outlives its store's handle still reads; dropping it later is harmless
+    s["late"] = m
+    s["late"].sum()
+    late = s["late"]
+    s.close()
+    assert np.array_equal(late, m)
+    del late
+    gc.collect()
+
+
 def test_small_bytes_and_1d_arrays_are_built_by_the_c_get(make_store):
     """hot.get builds a small bytes value, and a small 1-D array once its header is
     registered (by the first get), itself: the same read-only private values as the

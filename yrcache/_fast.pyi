@@ -1,11 +1,15 @@
-# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c).
+# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c, fast_values.c).
 from typing import Any, Literal
 
 class HotPath:
     """Small gets and puts of one arena mapping, each in one C call (made by tiers/dram.py)."""
 
     slot: int
-    """This process's slot in the arena (0: none yet, e.g. in a child right after fork)."""
+    """This process's slot in the arena (0: none yet, e.g. in a child right after fork);
+    setting it records the process, whose pins the views built here release in C."""
+
+    anchor: Any
+    """A weak reference to the Arena that owns the mapping (the views ``get`` builds hold it)."""
 
     def __init__(self, *addresses_base_max_key_cap: int) -> None:
         """HotPath(read, put, mread, unpin, base, max_key, cap): C function and mapping addresses."""
@@ -19,13 +23,25 @@ class HotPath:
         """(header + payload, header length) of a small DRAM value; (header, payload offset,
         size, pin, block) of a larger one it pinned; None for a miss; else False."""
     def get(self, key: Any, /) -> memoryview | Any | tuple[bytes, int] | tuple[bytes, int, int, int, int] | None | Literal[False]:
-        """``read``, except that a small bytes value, or a small 1-D array of a header
-        registered with ``flat``, comes back as ``TieredStore.get`` returns it (read-only,
-        over a private copy)."""
+        """``read``, except that a small bytes value, a small 1-D array of a header
+        registered with ``flat`` (both read-only, over a private copy) and a pinned ndarray
+        of a header registered with ``shaped`` (a read-only view holding the pin) come back
+        as ``TieredStore.get`` returns them."""
     def flat(self, meta: bytes, dtype: Any, itemsize: int, frombuffer: Any, /) -> bool:
         """From now on ``get`` builds the small values with this 1-D ndarray header as
         ``frombuffer(private copy, dtype)``; False when 16 headers are registered already."""
+    def shaped(self, meta: bytes, dtype: Any, itemsize: int, shape: tuple | None, frombuffer: Any, /) -> bool:
+        """From now on ``get`` and ``mget`` build a pinned value with this ndarray header as
+        ``frombuffer(pinned bytes, dtype)``, reshaped to ``shape`` unless it is None (16
+        headers, the oldest replaced)."""
     def put(self, key: Any, meta: bytes, payload: Any, prefaulted: bool, /) -> bool:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
+    def put_value(self, key: Any, value: Any, prefaulted: bool, /) -> bool | None:
+        """``put`` of bytes, a bytearray or a C-contiguous ndarray of a learned layout, the
+        header found in C; None: an ndarray whose layout is not learned yet (encode it, then
+        ``learn``); False: take the general path."""
+    def learn(self, array: Any, meta: bytes, /) -> bool:
+        """From now on ``put_value`` stores ndarrays of this one's layout under ``meta`` (32
+        layouts, the oldest replaced); False for a layout a buffer cannot describe here."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""

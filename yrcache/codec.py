@@ -197,14 +197,22 @@ def copied_decoder(meta: bytes) -> Callable[[bytes, int, int], Any]:
 def flat_dtype(meta: bytes) -> np.dtype | None:
     """The dtype of a valid 1-D ndarray header, whose values are ``np.frombuffer(payload,
     dtype)`` and nothing more (the C hot path builds those: ``HotPath.flat``); else None."""
+    layout = array_layout(meta)
+    return layout[0] if layout is not None and len(layout[1]) == 1 else None
+
+
+@lru_cache(maxsize=4096)
+def array_layout(meta: bytes) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """``(dtype, shape)`` of a valid ndarray header, whose values are
+    ``np.frombuffer(payload, dtype).reshape(shape)`` and nothing more (the C hot
+    path builds pinned ones: ``HotPath.shaped``); else None."""
     if meta[:1] != b"N":
         return None
     decoder(meta)                         # refuses a corrupt header
     _, dt, shape_s = meta.decode().split(";")
-    if "," in shape_s or not shape_s:
-        return None
     dtype = np.dtype(dt)
-    return dtype if dtype.itemsize else None
+    shape = tuple(int(d) for d in shape_s.split(",")) if shape_s else ()
+    return (dtype, shape) if dtype.itemsize else None
 
 
 def describe(meta: bytes) -> dict:

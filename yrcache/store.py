@@ -26,7 +26,7 @@ from .mover import Mover
 from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
-from .store_ops import StoreOps, learn_flat, unpin_hits
+from .store_ops import StoreOps, learn_flat, learn_view, unpin_hits
 from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
@@ -269,9 +269,17 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         p = self._placement
         if tier is None and ttl is None and write_mode is None and p.plain \
                 and type(value) in _PLAIN_TYPES and type(priority) is int and priority == 0:
-            # The common case, kept short: a host value into DRAM (a small one in one C call).
+            # The common case, kept short: a host value into DRAM, in one C call when
+            # there is no room to make (the C side knows the header of bytes, and of
+            # the array layouts puts have taught it).
+            direct = p.direct
+            done = direct and a.hot.put_value(key, value, a.prefaulted)
+            if done:
+                return
             meta, payload, nbytes = codec.encode(value, self._pickle)
-            if p.direct and a.hot.put(key, meta, payload, a.prefaulted):
+            if done is None and payload is value:
+                a.hot.learn(value, meta)
+            if direct and a.hot.put(key, meta, payload, a.prefaulted):
                 return
             p.put(key_bytes(key), meta, payload, nbytes, 0, 0.0)
             return
@@ -335,7 +343,9 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             a.unpin(pin)
             raise self._no_pickle(key)
         buf = a.pinned_buffer(offset, nbytes, pin, block)   # from here the pin goes with buf
-        return codec.decoder(meta)(buf, nbytes)
+        value = codec.decoder(meta)(buf, nbytes)
+        learn_view(a, meta)
+        return value
 
     def _no_pickle(self, key: str | None) -> UntrustedStoreError:
         return UntrustedStoreError(

@@ -399,6 +399,15 @@ def learn_flat(a: Arena, data: bytes, mlen: int) -> None:
             a.hot.flat(meta, dt, dt.itemsize, np.frombuffer)
 
 
+def learn_view(a: Arena, meta: bytes) -> None:
+    """After a pinned value with header ``meta`` was built in Python: if it is an
+    ndarray, have the C hot path build the values of its header from now on."""
+    layout = codec.array_layout(meta)
+    if layout is not None:
+        dtype, shape = layout
+        a.hot.shaped(meta, dtype, dtype.itemsize, None if len(shape) == 1 else shape, np.frombuffer)
+
+
 def unpin_hits(a: Arena, hits: list) -> None:
     """Release the pins of hot-path reads nobody took over (the pinned items of
     ``HotPath.mread`` or ``HotPath.mget``: 5-tuples; the rest pin nothing)."""

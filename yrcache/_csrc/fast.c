@@ -12,50 +12,20 @@
  * read(key) returns (data, meta_len) for a small DRAM object copied out (data:
  * its codec header then its payload, private bytes); (meta, payload_off,
  * nbytes, pin, block_off) for a larger DRAM object it pinned under `slot`; and
- * None when the key is missing; get(key) is read(key), except that a small
- * bytes value comes back as the read-only memoryview TieredStore.get returns,
- * and a small 1-D array whose header was registered with flat() as the
- * read-only ndarray it returns (and mget(keys) is mread(keys) with the same values);
- * mread(keys) gives a list of those, read in one
- * lock hold.  put(key, meta, payload, prefaulted) stores a
- * payload in DRAM and returns True.  Both return False whenever the caller
+ * None when the key is missing; get(key) is read(key), except that it returns
+ * values as TieredStore.get does where it can: a small bytes value as a
+ * read-only memoryview, a small 1-D array whose header was registered with
+ * flat() as a read-only ndarray over a private copy, and a pinned ndarray whose
+ * header was registered with shaped() as a read-only view that holds the pin
+ * (fast_values.c).  mread(keys) gives a list of what read gives, read in one
+ * lock hold, and mget(keys) the values get gives.  put(key, meta, payload,
+ * prefaulted) stores a payload in DRAM and returns True; put_value(key, value,
+ * prefaulted) does the same with the header found in C (fast_values.c).  Each
+ * returns False whenever the caller
  * must take the general path: a key that is not a plain valid str (the general
  * path raises the right error), an object not in DRAM, no slot, no room, a
  * payload that is not one contiguous buffer, or any error code. */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <stdint.h>
-#include <string.h>
-#include <structmember.h>
-
-#include "arena.h"      /* declarations only: the functions are reached through addresses */
-
-#define CAP_MAX 8192             /* the largest copy a read takes (on the C stack) */
-#define MREAD_BYTES (64 << 10)   /* room for the small values one batch read copies out */
-#define MREAD_MAX 65536           /* keys in one batch read here */
-#define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
-#define FLAT_MAX 16              /* headers of 1-D arrays whose small values get builds here */
-
-typedef struct {                 /* a 1-D ndarray header and the dtype to build its values with */
-    PyObject *meta;              /* bytes */
-    PyObject *dtype;
-    Py_ssize_t itemsize;
-} Flat;
-
-typedef struct {
-    PyObject_HEAD
-    __typeof__(&yr_read) read;
-    __typeof__(&yr_put) put;
-    __typeof__(&yr_mread) mread;
-    __typeof__(&yr_unpin) unpin;
-    void *base;
-    unsigned int slot;
-    Py_ssize_t max_key;
-    uint32_t cap;
-    int nflat;
-    Flat flat[FLAT_MAX];
-    PyObject *frombuffer;        /* numpy.frombuffer, once a header is registered */
-} HotPath;
+#include "fast.h"
 
 static void HotPath_dealloc(HotPath *self) {
     for (int i = 0; i < self->nflat; i++) {
@@ -63,6 +33,10 @@ static void HotPath_dealloc(HotPath *self) {
         Py_DECREF(self->flat[i].dtype);
     }
     Py_XDECREF(self->frombuffer);
+    Py_XDECREF(self->ndarray);
+    Py_XDECREF(self->anchor);
+    Py_XDECREF(self->bytes_meta);
+    values_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -87,11 +61,12 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
     self->base = (void *)(uintptr_t)base;
     self->max_key = max_key;
     self->cap = cap;
+    if (!self->bytes_meta && !(self->bytes_meta = PyBytes_FromStringAndSize("B", 1))) return -1;
     return 0;
 }
 
 /* The UTF-8 bytes of a valid key (cached in the str: no copy), or NULL. */
-static const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
+const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
     if (!self->base || !self->slot || !PyUnicode_CheckExact(key)) return NULL;
     const char *kb = PyUnicode_AsUTF8AndSize(key, klen);
     if (!kb) {                       /* lone surrogates: the general path says so */
@@ -143,13 +118,11 @@ static PyObject *read_key(HotPath *self, PyObject *key, int views) {
     r = self->read(self->base, self->slot, kb, (uint32_t)klen, &info, buf, self->cap, 1);
     Py_END_ALLOW_THREADS
     if (r == 1) return small_value(self, buf, info.meta_len, info.nbytes, views);   /* copied out */
-    if (r == 0) {            /* pinned: the caller owns the pin from here on */
-        PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + info.meta_off, info.meta_len);
-        PyObject *t = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)info.payload_off,
-                                           (unsigned long long)info.nbytes, info.pin,
-                                           (unsigned long long)info.block_off) : NULL;
-        if (!t) self->unpin(self->base, info.pin);   /* out of memory: nobody will release it */
-        return t;
+    if (r == 0) {            /* pinned: the caller (or the view built here) owns the pin from here on */
+        int owned = 0;
+        PyObject *v = pinned_value(self, &info, views, &owned);
+        if (!v && !owned) self->unpin(self->base, info.pin);   /* nobody else will release it */
+        return v;
     }
     if (r == YR_ENOTFOUND) Py_RETURN_NONE;
     Py_RETURN_FALSE;
@@ -213,10 +186,9 @@ static PyObject *mread_keys(HotPath *self, PyObject *keys, int views) {
         } else if (found[i] == 2) {      /* copied: its header, then its payload right after */
             item = small_value(self, buf + f->meta_off, f->meta_len, f->nbytes, views);
         } else {
-            PyObject *meta = PyBytes_FromStringAndSize((char *)self->base + f->meta_off, f->meta_len);
-            item = meta ? Py_BuildValue("(NKKIK)", meta, (unsigned long long)f->payload_off,
-                                        (unsigned long long)f->nbytes, f->pin,
-                                        (unsigned long long)f->block_off) : NULL;
+            int owned = 0;
+            item = pinned_value(self, f, views, &owned);
+            if (owned) found[i] = 3;     /* a view holds the pin now */
         }
         if (!item) {
             Py_CLEAR(out);
@@ -295,6 +267,30 @@ static PyObject *HotPath_flat(HotPath *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_TRUE;
 }
 
+static PyObject *HotPath_get_slot(HotPath *self, void *closure) {
+    return PyLong_FromUnsignedLong(self->slot);
+}
+
+static int HotPath_set_slot(HotPath *self, PyObject *value, void *closure) {
+    unsigned long slot = value ? PyLong_AsUnsignedLong(value) : (unsigned long)-1;
+    if (slot == (unsigned long)-1 || slot > UINT32_MAX) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_ValueError, "slot must be an int from 0 to 2**32-1");
+        }
+        return -1;
+    }
+    self->slot = (unsigned int)slot;
+    self->pid = (long)getpid();     /* the pins taken under this slot are this process's */
+    return 0;
+}
+
+static PyGetSetDef HotPath_getset[] = {
+    {"slot", (getter)HotPath_get_slot, (setter)HotPath_set_slot,
+     "this process's slot in the arena (0: none yet); setting it records the process", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyObject *HotPath_close(HotPath *self, PyObject *unused) {
     self->base = NULL;        /* every later call takes the general path */
     Py_RETURN_NONE;
@@ -316,16 +312,28 @@ static PyMethodDef HotPath_methods[] = {
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
      "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},
+    {"put_value", (PyCFunction)(void (*)(void))HotPath_put_value, METH_FASTCALL,
+     "put_value(key, value, prefaulted) -> True | None | False: put() of bytes, a bytearray or a "
+     "C-contiguous ndarray of a learned layout, its header found here; None: an ndarray layout "
+     "not learned yet (encode it, then learn()); False: take the general path."},
+    {"learn", (PyCFunction)(void (*)(void))HotPath_learn, METH_FASTCALL,
+     "learn(array, meta) -> bool: put_value stores ndarrays of this layout under meta from now "
+     "on (32 layouts, the oldest replaced); False for a layout a buffer cannot describe here."},
     {"flat", (PyCFunction)(void (*)(void))HotPath_flat, METH_FASTCALL,
      "flat(meta, dtype, itemsize, frombuffer) -> bool: from now on get builds a small value with "
      "this 1-D ndarray header as frombuffer(private copy, dtype); False when 16 are registered."},
+    {"shaped", (PyCFunction)(void (*)(void))HotPath_shaped, METH_FASTCALL,
+     "shaped(meta, dtype, itemsize, shape, frombuffer) -> True: from now on get and mget build a "
+     "pinned value with this ndarray header as frombuffer(pinned bytes, dtype), reshaped to shape "
+     "unless it is None (16 headers, the oldest replaced)."},
     {"close", (PyCFunction)HotPath_close, METH_NOARGS,
      "close(): forget the mapping; later calls return False."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyMemberDef HotPath_members[] = {
-    {"slot", T_UINT, offsetof(HotPath, slot), 0, "this process's slot in the arena (0: none yet)"},
+    {"anchor", T_OBJECT, offsetof(HotPath, anchor), 0,
+     "a weak reference to the Arena that owns the mapping (the views get builds hold it)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -341,6 +349,7 @@ static PyTypeObject HotPathType = {
     .tp_init = (initproc)HotPath_init,
     .tp_methods = HotPath_methods,
     .tp_members = HotPath_members,
+    .tp_getset = HotPath_getset,
 };
 
 static struct PyModuleDef fastmodule = {
@@ -349,7 +358,7 @@ static struct PyModuleDef fastmodule = {
 };
 
 PyMODINIT_FUNC PyInit__fast(void) {
-    if (PyType_Ready(&HotPathType) < 0) return NULL;
+    if (PyType_Ready(&HotPathType) < 0 || values_ready() < 0) return NULL;
     PyObject *m = PyModule_Create(&fastmodule);
     if (!m) return NULL;
     Py_INCREF(&HotPathType);
@@ -360,3 +369,4 @@ PyMODINIT_FUNC PyInit__fast(void) {
     }
     return m;
 }
+

@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -213,6 +214,7 @@ class Arena:
             self.addr = int(ffi.cast("uintptr_t", self.base))
             self.cbase = ffi.cast("char *", self.base)
             self.hot = HotPath(*_HOT, self.addr, MAX_KEY_BYTES, SMALL_READ)   # a small get or put in one C call
+            self.hot.anchor = weakref.ref(self)   # the views it builds hold this Arena (and the mapping)
             self.mapped = True
             if self.created:
                 if npins is None:
@@ -231,9 +233,7 @@ class Arena:
             if self.created:
                 unlink_if(self.name, getattr(self, "_ident", None))
             raise
-        st_ = ffi.new("yr_stats *")
-        lib.yr_get_stats(self.base, st_)
-        self.capacity = st_.capacity          # heap bytes
+        self.capacity = self.stats().capacity          # heap bytes
         # views made by this process: pin -> block offset (re-pinned after fork)
         self.views: dict[int, int] = {}
         self.remap: dict[tuple[int, int], int] = {}

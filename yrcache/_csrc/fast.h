@@ -1,0 +1,73 @@
+/* Shared by the two files of yrcache._fast: fast.c (the HotPath type, its reads
+ * and puts) and fast_values.c (the values it builds and the headers it finds). */
+#ifndef YR_FAST_H
+#define YR_FAST_H
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+#include <structmember.h>
+
+#include "arena.h"      /* declarations only: the functions are reached through addresses */
+
+#define CAP_MAX 8192             /* the largest copy a read takes (on the C stack) */
+#define MREAD_BYTES (64 << 10)   /* room for the small values one batch read copies out */
+#define MREAD_MAX 65536           /* keys in one batch read here */
+#define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
+#define FLAT_MAX 16              /* headers of 1-D arrays whose small values get builds here */
+#define SHAPED_MAX 16            /* headers of ndarrays whose pinned (larger) values get builds here */
+#define LAYOUT_MAX 32            /* ndarray layouts whose headers put_value knows */
+#define LAYOUT_NDIM 8
+#define LAYOUT_FMT 8
+
+typedef struct {                 /* an ndarray header and the dtype (and shape) to build its values with */
+    PyObject *meta;              /* bytes */
+    PyObject *dtype;
+    Py_ssize_t itemsize;
+    PyObject *shape;             /* a tuple to reshape to; NULL: 1-D */
+} Flat;
+
+typedef struct {                 /* an ndarray layout as its buffer describes it, and its codec header */
+    PyObject *meta;              /* bytes; NULL: an empty entry */
+    char format[LAYOUT_FMT];
+    Py_ssize_t itemsize;
+    int ndim;
+    Py_ssize_t shape[LAYOUT_NDIM];
+} Layout;
+
+typedef struct {
+    PyObject_HEAD
+    __typeof__(&yr_read) read;
+    __typeof__(&yr_put) put;
+    __typeof__(&yr_mread) mread;
+    __typeof__(&yr_unpin) unpin;
+    void *base;
+    unsigned int slot;
+    Py_ssize_t max_key;
+    uint32_t cap;
+    int nflat;
+    Flat flat[FLAT_MAX];
+    PyObject *frombuffer;        /* numpy.frombuffer, once a header is registered */
+    PyObject *ndarray;           /* numpy.ndarray, once a layout is learned */
+    long pid;                    /* the process that set `slot` (views of other pids: Python releases them) */
+    PyObject *anchor;            /* a weak reference to the tiers.dram.Arena that owns the mapping */
+    int nshaped, next_shaped;
+    Flat shaped[SHAPED_MAX];     /* ndarray headers whose pinned values get builds here */
+    PyObject *bytes_meta;        /* b"B" */
+    int next_layout;
+    Layout layouts[LAYOUT_MAX];
+} HotPath;
+
+/* fast.c */
+const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen);
+
+/* fast_values.c */
+int values_ready(void);
+void values_clear(HotPath *self);
+PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned);
+PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+
+#endif

@@ -1,0 +1,258 @@
+/* yrcache._fast, the values it builds and the headers it finds (see fast.c).
+ *
+ * A pinned ndarray: get and mget build it here once a get decoded its header in
+ * Python and registered it (shaped()): numpy.frombuffer over a Pin, the pinned
+ * bytes exported read-only, reshaped.  The Pin holds the Arena (so the mapping
+ * outlives it) and gives the pin back when the last view built on it dies: here
+ * in the process that took it, else through Arena._release (a view inherited
+ * across fork, or after the slot was given back).
+ *
+ * A put: put_value finds the codec header of bytes, of a bytearray and of an
+ * ndarray whose layout (buffer format, item size, shape) an earlier put taught
+ * it (learn()), so a plain put is one C call with no encoding in Python. */
+#include "fast.h"
+
+/* A pinned stretch of the mapping, exported read-only; the last view built on
+ * it gives the pin back.  It holds the Arena, so the mapping outlives it. */
+typedef struct {
+    PyObject_HEAD
+    HotPath *hot;
+    PyObject *arena;
+    char *buf;
+    Py_ssize_t len;
+    uint32_t pin;
+    long pid;
+} Pin;
+
+static PyObject *str_views, *str_release, *str_reshape;
+
+static int Pin_getbuffer(Pin *self, Py_buffer *view, int flags) {
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, 1, flags);
+}
+
+static void Pin_dealloc(Pin *self) {
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    HotPath *hot = self->hot;
+    PyObject *pin = PyLong_FromUnsignedLong(self->pin), *r = NULL;
+    if (hot->base && hot->slot && self->pid == hot->pid) {   /* ours, and still attached */
+        hot->unpin(hot->base, self->pin);
+        PyObject *views = PyObject_GetAttr(self->arena, str_views);
+        if (views && pin && PyDict_CheckExact(views) && PyDict_DelItem(views, pin) < 0) PyErr_Clear();
+        Py_XDECREF(views);
+    } else {       /* inherited across fork, or detached: the Arena knows what to do */
+        PyObject *pid = PyLong_FromLong(self->pid);
+        if (pid && pin) r = PyObject_CallMethodObjArgs(self->arena, str_release, pid, pin, NULL);
+        Py_XDECREF(pid);
+    }
+    Py_XDECREF(r);
+    Py_XDECREF(pin);
+    PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    Py_DECREF(hot);
+    Py_DECREF(self->arena);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyBufferProcs Pin_as_buffer = {(getbufferproc)Pin_getbuffer, NULL};
+
+static PyTypeObject PinType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "yrcache._fast.Pin",
+    .tp_doc = "A pinned object's bytes in the arena, read-only; the pin goes with the last view.",
+    .tp_basicsize = sizeof(Pin),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_dealloc = (destructor)Pin_dealloc,
+    .tp_as_buffer = &Pin_as_buffer,
+};
+
+/* The value get returns for an object pinned as `pin` (its header at meta_off),
+ * built here when its header was registered with shaped(): np.frombuffer over a
+ * Pin (then reshaped), which owns the pin from then on (*owned = 1).  Else the
+ * tuple Python builds it from. */
+PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned) {
+    const char *meta = (const char *)self->base + f->meta_off;
+    Flat *e = NULL;
+    for (int i = 0; views && i < self->nshaped; i++)
+        if (PyBytes_GET_SIZE(self->shaped[i].meta) == (Py_ssize_t)f->meta_len &&
+            !memcmp(PyBytes_AS_STRING(self->shaped[i].meta), meta, f->meta_len)) {
+            e = &self->shaped[i];
+            break;
+        }
+    PyObject *arena = e && self->anchor ? PyWeakref_GetObject(self->anchor) : NULL;
+    if (!e || !arena || arena == Py_None || f->nbytes % (uint64_t)e->itemsize) {
+        PyObject *m = PyBytes_FromStringAndSize(meta, f->meta_len);
+        return m ? Py_BuildValue("(NKKIK)", m, (unsigned long long)f->payload_off, (unsigned long long)f->nbytes,
+                                 f->pin, (unsigned long long)f->block_off) : NULL;
+    }
+    PyObject *views_dict = PyObject_GetAttr(arena, str_views);
+    PyObject *pk = PyLong_FromUnsignedLong(f->pin), *bk = PyLong_FromUnsignedLongLong(f->block_off);
+    int ok = views_dict && pk && bk && PyDict_CheckExact(views_dict) && PyDict_SetItem(views_dict, pk, bk) == 0;
+    Py_XDECREF(views_dict);
+    Py_XDECREF(pk);
+    Py_XDECREF(bk);
+    if (!ok) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "yrcache: the arena has no views dict");
+        return NULL;
+    }
+    Pin *p = PyObject_New(Pin, &PinType);
+    if (!p) return NULL;
+    p->hot = (HotPath *)Py_NewRef((PyObject *)self);
+    p->arena = Py_NewRef(arena);
+    p->buf = (char *)self->base + f->payload_off;
+    p->len = (Py_ssize_t)f->nbytes;
+    p->pin = f->pin;
+    p->pid = self->pid;
+    *owned = 1;
+    PyObject *args[2] = {(PyObject *)p, e->dtype};
+    PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
+    Py_DECREF(p);
+    if (arr && e->shape) Py_SETREF(arr, PyObject_CallMethodOneArg(arr, str_reshape, e->shape));
+    return arr;
+}
+
+/* The entry of a buffer's layout (format, item size, shape), or NULL. */
+static Layout *layout_of(HotPath *self, const Py_buffer *v) {
+    if (!v->format || v->ndim > LAYOUT_NDIM || strlen(v->format) >= LAYOUT_FMT) return NULL;
+    for (int i = 0; i < LAYOUT_MAX; i++) {
+        Layout *l = &self->layouts[i];
+        if (l->meta && l->ndim == v->ndim && l->itemsize == v->itemsize && !strcmp(l->format, v->format) &&
+            (v->ndim == 0 || !memcmp(l->shape, v->shape, (size_t)v->ndim * sizeof(Py_ssize_t))))
+            return l;
+    }
+    return NULL;
+}
+
+/* put_value(key, value, prefaulted): put(), with the value's codec header found
+ * here: b"B" for bytes and bytearray, a learned header for a C-contiguous
+ * ndarray.  True: stored; None: an ndarray of a layout not learned yet (the
+ * caller encodes it, and may teach it with learn()); False: the general path. */
+PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put_value(key, value, prefaulted) takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t klen;
+    const char *kb = key_of(self, args[0], &klen);
+    if (!kb) Py_RETURN_FALSE;
+    PyObject *value = args[1], *meta;
+    Py_buffer view;
+    if (PyBytes_CheckExact(value) || PyByteArray_CheckExact(value)) {
+        if (PyObject_GetBuffer(value, &view, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+        meta = self->bytes_meta;
+    } else if (self->ndarray && (PyObject *)Py_TYPE(value) == self->ndarray) {
+        if (PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();       /* not contiguous, or a dtype buffers cannot describe */
+            Py_RETURN_FALSE;
+        }
+        Layout *l = layout_of(self, &view);
+        if (!l) {
+            PyBuffer_Release(&view);
+            Py_RETURN_NONE;
+        }
+        meta = l->meta;
+    } else if (!self->ndarray && !strcmp(Py_TYPE(value)->tp_name, "numpy.ndarray")) {
+        Py_RETURN_NONE;          /* before the first layout is learned */
+    } else {
+        Py_RETURN_FALSE;
+    }
+    int populate = !PyObject_IsTrue(args[2]) && view.len >= POPULATE_MIN;
+    Py_INCREF(meta);     /* learn() may replace the entry while the GIL is released */
+    yr_retired out;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = self->put(self->base, self->slot, kb, (uint32_t)klen, PyBytes_AS_STRING(meta),
+                  (uint32_t)PyBytes_GET_SIZE(meta), view.buf, (uint64_t)view.len, 0, 0.0, populate, &out);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(meta);
+    PyBuffer_Release(&view);
+    if (r == YR_OK) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* learn(array, meta): from now on put_value stores an ndarray of this one's
+ * layout under the codec header `meta` (which the caller encoded from it, with
+ * no conversion).  The oldest of 32 layouts makes room. */
+PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "learn(array, meta: bytes)");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_FALSE;
+    }
+    int ok = view.format && view.ndim <= LAYOUT_NDIM && strlen(view.format) < LAYOUT_FMT;
+    if (ok && !layout_of(self, &view)) {
+        Layout *l = &self->layouts[self->next_layout];
+        self->next_layout = (self->next_layout + 1) % LAYOUT_MAX;
+        Py_XSETREF(l->meta, Py_NewRef(args[1]));
+        strcpy(l->format, view.format);
+        l->itemsize = view.itemsize;
+        l->ndim = view.ndim;
+        if (view.ndim) memcpy(l->shape, view.shape, (size_t)view.ndim * sizeof(Py_ssize_t));
+        if (!self->ndarray) self->ndarray = Py_NewRef((PyObject *)Py_TYPE(args[0]));
+    }
+    PyBuffer_Release(&view);
+    return PyBool_FromLong(ok);
+}
+
+/* shaped(meta, dtype, itemsize, shape, frombuffer): from now on get and mget build
+ * a pinned value with this ndarray header as frombuffer(Pin, dtype), reshaped to
+ * `shape` unless it is None; 16 headers, the oldest replaced. */
+PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[2]) ||
+        (args[3] != Py_None && !PyTuple_CheckExact(args[3]))) {
+        PyErr_SetString(PyExc_TypeError, "shaped(meta: bytes, dtype, itemsize: int, shape: tuple | None, frombuffer)");
+        return NULL;
+    }
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
+    if (itemsize <= 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "shaped(): itemsize must be > 0");
+        return NULL;
+    }
+    Py_ssize_t mlen = PyBytes_GET_SIZE(args[0]);
+    for (int i = 0; i < self->nshaped; i++)
+        if (PyBytes_GET_SIZE(self->shaped[i].meta) == mlen &&
+            !memcmp(PyBytes_AS_STRING(self->shaped[i].meta), PyBytes_AS_STRING(args[0]), (size_t)mlen))
+            Py_RETURN_TRUE;
+    Flat *e;
+    if (self->nshaped < SHAPED_MAX) {
+        e = &self->shaped[self->nshaped++];
+    } else {
+        e = &self->shaped[self->next_shaped];
+        self->next_shaped = (self->next_shaped + 1) % SHAPED_MAX;
+        Py_CLEAR(e->meta);
+        Py_CLEAR(e->dtype);
+        Py_CLEAR(e->shape);
+    }
+    e->meta = Py_NewRef(args[0]);
+    e->dtype = Py_NewRef(args[1]);
+    e->itemsize = itemsize;
+    e->shape = args[3] == Py_None ? NULL : Py_NewRef(args[3]);
+    Py_XSETREF(self->frombuffer, Py_NewRef(args[4]));
+    Py_RETURN_TRUE;
+}
+
+/* Ready the Pin type and the names its methods look up (module init). */
+int values_ready(void) {
+    if (PyType_Ready(&PinType) < 0) return -1;
+    str_views = PyUnicode_InternFromString("views");
+    str_release = PyUnicode_InternFromString("_release");
+    str_reshape = PyUnicode_InternFromString("reshape");
+    return str_views && str_release && str_reshape ? 0 : -1;
+}
+
+/* Drop what a HotPath's registries hold (its dealloc). */
+void values_clear(HotPath *self) {
+    for (int i = 0; i < self->nshaped; i++) {
+        Py_DECREF(self->shaped[i].meta);
+        Py_DECREF(self->shaped[i].dtype);
+        Py_XDECREF(self->shaped[i].shape);
+    }
+    for (int i = 0; i < LAYOUT_MAX; i++) Py_XDECREF(self->layouts[i].meta);
+}
