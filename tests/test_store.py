@@ -168,6 +168,25 @@ class _Key(str):
     pass
 
 
+def test_scans_and_expiry_walk_the_whole_index_a_bounded_batch_at_a_time(make_store):
+    """A scan (the placement policy's) and an expiry sweep hold the lock for at most
+    16384 buckets at a time; a 64 MiB store has 65536, so both take several holds and
+    must still see every object."""
+    import time
+
+    from yrcache.tiers.dram import TIER_DRAM
+
+    s = make_store(dram="64MiB")
+    a = s._a
+    for i in range(300):
+        s.put(f"k{i}", b"x" * 100, ttl=0.2 if i % 3 == 0 else None)
+    assert sorted(k for _, k in a.scan(1 << TIER_DRAM)) == sorted(f"k{i}" for i in range(300))
+    time.sleep(0.3)
+    assert a.expire(time.time()) == 100
+    assert sorted(k for _, k in a.scan(1 << TIER_DRAM)) == sorted(f"k{i}" for i in range(300) if i % 3)
+    assert len(s) == 200
+
+
 def test_put_value_finds_headers_in_c_for_learned_array_layouts(make_store):
     """hot.put_value stores bytes, a bytearray and an ndarray whose layout (buffer
     format, item size, shape) a put has taught it, with the header the codec
