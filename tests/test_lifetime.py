@@ -146,23 +146,24 @@ def _private_shm_works() -> bool:
 
 @pytest.mark.skipif(not _private_shm_works(),
                     reason="needs `unshare --mount` and tmpfs mounts (root) for a private, small /dev/shm")
-@pytest.mark.parametrize("prefault", [False, True])
-def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, prefault):
+@pytest.mark.parametrize("prefault,shm_mib,store_mib", [(False, 16, 12), (True, 16, 12), (True, 800, 600)])
+def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, prefault, shm_mib, store_mib):
     """/dev/shm of 16 MiB: two 12 MiB stores both pass the free-space check
     (the first has not touched its pages yet); the second must fail at once
-    with StoreFullError, and the first must be fully writable."""
+    with StoreFullError, and the first must be fully writable.  (600 MiB stores
+    are populated by two threads, each of which may be the one that runs out.)"""
     script = tmp_path / "over.py"
     script.write_text(textwrap.dedent(f"""
         import numpy as np
         from yrcache import TieredStore, StoreFullError
         from yrcache.tiers import dram
-        a = TieredStore(name="a", dram="12MiB", prefault={prefault})
+        a = TieredStore(name="a", dram="{store_mib}MiB", prefault={prefault})
         try:
-            TieredStore(name="b", dram="12MiB", prefault={prefault})
+            TieredStore(name="b", dram="{store_mib}MiB", prefault={prefault})
         except StoreFullError as e:
             print("refused:", e)
         try:    # below the free-space check: the segment itself must not over-commit
-            dram.Arena("c", create=True, size=12 << 20, prefault={prefault})
+            dram.Arena("c", create=True, size={store_mib} << 20, prefault={prefault})
         except StoreFullError as e:
             print("refused:", e)
         a["x"] = np.ones(10 << 20, dtype=np.uint8)    # every page of a's heap is backed
@@ -173,7 +174,7 @@ def test_overcommitted_store_fails_at_construction_not_with_sigbus(tmp_path, pre
         print("ok")
         """))
     r = subprocess.run(["unshare", "--mount", "sh", "-c",
-                        f"mount -t tmpfs -o size=16M tmpfs /dev/shm && {sys.executable} {script}"],
+                        f"mount -t tmpfs -o size={shm_mib}M tmpfs /dev/shm && {sys.executable} {script}"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"exit {r.returncode} (-7 is SIGBUS)\n{r.stderr}"
     assert r.stdout.count("refused:") == 2 and "has no room" in r.stdout, r.stdout

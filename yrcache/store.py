@@ -315,10 +315,13 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         ``tier``: DRAM (the default) or SSD; these bytes are host memory, so HBM
         means DRAM here.
         """
-        self._check_open()
+        a = self._a
         t = self._check_tier(tier)
         nbytes = payload_nbytes(key, fill, nbytes)
         codec.check_header(meta, nbytes)
+        if tier is None and ttl is None and priority == 0 and type(priority) is int and not callable(fill) \
+                and self._placement.direct and a.hot.put(key, meta, fill, a.prefaulted):
+            return     # an encoded buffer into DRAM in one C call
         self._placement.put(key_bytes(key), meta, fill, nbytes, _priority(priority), _expire_at(ttl),
                             None if t == Tier.HBM else t)
 
