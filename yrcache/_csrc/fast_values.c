@@ -85,29 +85,35 @@ PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned
         return m ? Py_BuildValue("(NKKIK)", m, (unsigned long long)f->payload_off, (unsigned long long)f->nbytes,
                                  f->pin, (unsigned long long)f->block_off) : NULL;
     }
+    Py_INCREF(arena);       /* (borrowed from the weak reference) */
     PyObject *views_dict = PyObject_GetAttr(arena, str_views);
     PyObject *pk = PyLong_FromUnsignedLong(f->pin), *bk = PyLong_FromUnsignedLongLong(f->block_off);
     int ok = views_dict && pk && bk && PyDict_CheckExact(views_dict) && PyDict_SetItem(views_dict, pk, bk) == 0;
     Py_XDECREF(views_dict);
     Py_XDECREF(pk);
     Py_XDECREF(bk);
-    if (!ok) {
+    Pin *p = ok ? PyObject_New(Pin, &PinType) : NULL;
+    if (!p) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "yrcache: the arena has no views dict");
+        Py_DECREF(arena);
         return NULL;
     }
-    Pin *p = PyObject_New(Pin, &PinType);
-    if (!p) return NULL;
     p->hot = (HotPath *)Py_NewRef((PyObject *)self);
-    p->arena = Py_NewRef(arena);
+    p->arena = arena;
     p->buf = (char *)self->base + f->payload_off;
     p->len = (Py_ssize_t)f->nbytes;
     p->pin = f->pin;
     p->pid = self->pid;
     *owned = 1;
-    PyObject *args[2] = {(PyObject *)p, e->dtype};
-    PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
+    /* own references: code that runs inside numpy (a finalizer) may replace the entry */
+    PyObject *fb = Py_NewRef(self->frombuffer), *dtype = Py_NewRef(e->dtype), *shape = Py_XNewRef(e->shape);
+    PyObject *args[2] = {(PyObject *)p, dtype};
+    PyObject *arr = PyObject_Vectorcall(fb, args, 2, NULL);
     Py_DECREF(p);
-    if (arr && e->shape) Py_SETREF(arr, PyObject_CallMethodOneArg(arr, str_reshape, e->shape));
+    if (arr && shape) Py_SETREF(arr, PyObject_CallMethodOneArg(arr, str_reshape, shape));
+    Py_DECREF(fb);
+    Py_DECREF(dtype);
+    Py_XDECREF(shape);
     return arr;
 }
 
