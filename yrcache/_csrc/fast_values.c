@@ -79,7 +79,7 @@ PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned
             e = &self->shaped[i];
             break;
         }
-    PyObject *arena = e && self->anchor ? PyWeakref_GetObject(self->anchor) : NULL;
+    PyObject *arena = e && self->anchor && PyWeakref_Check(self->anchor) ? PyWeakref_GetObject(self->anchor) : NULL;
     if (!e || !arena || arena == Py_None || f->nbytes % (uint64_t)e->itemsize) {
         PyObject *m = PyBytes_FromStringAndSize(meta, f->meta_len);
         return m ? Py_BuildValue("(NKKIK)", m, (unsigned long long)f->payload_off, (unsigned long long)f->nbytes,
