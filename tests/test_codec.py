@@ -281,3 +281,35 @@ def test_masked_array_refused_by_the_store(make_store):
     assert "m" not in s
     s["m"] = m.filled(np.nan)                       # what the message suggests works
     assert np.isnan(s["m"][1])
+
+
+def test_conjugate_and_negative_views_are_stored_as_their_values(make_store):
+    """A conjugate (or negative) view keeps its data unconjugated and a bit aside; what
+    is stored is the values it shows, small (copied out) or large (a pinned view)."""
+    s = make_store(dram="16MiB")
+    for n in (3, 20_000):
+        z = torch.complex(torch.arange(n, dtype=torch.float32), torch.ones(n))
+        c = z.conj()
+        assert c.is_conj()
+        s["c"] = c
+        assert torch.equal(s["c"], c.resolve_conj()) and s["c"][1].imag == -1
+        neg = c.imag            # a negative view of c's imaginary parts
+        assert neg.is_neg()
+        s["n"] = neg
+        assert torch.equal(s["n"], torch.full((n,), -1.0))
+
+
+def test_tensor_headers_are_cached_and_values_keep_their_dtype(make_store):
+    """Encoding a tensor reuses the header of its (dtype, shape); a stored tensor comes
+    back with its dtype and shape whether torch converts its dtype to numpy (float32)
+    or not (bfloat16 travels as int16, float8 as bytes)."""
+    s = make_store(dram="16MiB")
+    for dt in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.bool, torch.int64):
+        for shape in ((), (5,), (2, 3), (2, 0)):
+            t = torch.ones(shape).to(dt)
+            meta, payload, n = codec.encode(t)
+            assert codec.encode(torch.zeros(shape).to(dt))[0] is meta      # cached
+            assert n == t.numel() * t.element_size() and len(memoryview(payload).cast("B")) == n
+            s["t"] = t
+            got = s["t"]
+            assert (got.dtype, tuple(got.shape)) == (dt, shape) and torch.equal(got, t)
