@@ -133,6 +133,8 @@ def same(a, b) -> None:
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
         assert a.tobytes() == b.tobytes()
+    elif isinstance(a, np.generic):    # a numpy scalar (NaN included): as bytes
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), (a, b)
     elif isinstance(a, float) and math.isnan(a):
         assert math.isnan(b)
     else:

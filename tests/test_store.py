@@ -305,6 +305,37 @@ def test_pinned_arrays_are_built_by_the_c_get(make_store):
     gc.collect()
 
 
+def test_pinned_tensors_are_built_by_the_c_get(make_store):
+    """A larger tensor whose header a get has taught the C hot path comes back built
+    there, as the general path builds it: a tensor over the stored bytes (torch has no
+    read-only tensors; no warning about one), with its dtype (bfloat16 through int16)
+    and shape; a dtype numpy has no twin for (float8) stays on the general path."""
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    s = make_store(dram="64MiB")
+    hot, a = s._a.hot, s._a
+    for dt in (torch.float32, torch.bfloat16, torch.int64, torch.bool):
+        t = (torch.arange(3 * 4096) % 7).to(dt).reshape(3, 4096)
+        s["t"] = t
+        first = s["t"]                           # decoded in Python: registers the header
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = hot.get("t")
+            (again,) = s.mget(["t"])
+        assert type(got) is torch.Tensor and (got.dtype, tuple(got.shape)) == (dt, (3, 4096))
+        assert torch.equal(got, t) and torch.equal(again, t)
+        assert got.data_ptr() == first.data_ptr() == again.data_ptr()   # zero-copy, one block
+        del first, got, again
+        gc.collect()
+        assert s.stats()["pinned_bytes"] == 0 and a.views == {}
+    s["f8"] = torch.ones(20_000).to(torch.float8_e4m3fn)
+    assert s["f8"].dtype == torch.float8_e4m3fn
+    t = hot.get("f8")
+    assert isinstance(t, tuple)
+    a.unpin(t[3])
+
+
 def test_small_bytes_and_1d_arrays_are_built_by_the_c_get(make_store):
     """hot.get builds a small bytes value, and a small 1-D array once its header is
     registered (by the first get), itself: the same read-only private values as the

@@ -30,10 +30,12 @@ class HotPath:
     def flat(self, meta: bytes, dtype: Any, itemsize: int, frombuffer: Any, /) -> bool:
         """From now on ``get`` builds the small values with this 1-D ndarray header as
         ``frombuffer(private copy, dtype)``; False when 16 headers are registered already."""
-    def shaped(self, meta: bytes, dtype: Any, itemsize: int, shape: tuple | None, frombuffer: Any, /) -> bool:
-        """From now on ``get`` and ``mget`` build a pinned value with this ndarray header as
-        ``frombuffer(pinned bytes, dtype)``, reshaped to ``shape`` unless it is None (16
-        headers, the oldest replaced)."""
+    def shaped(self, meta: bytes, dtype: Any, itemsize: int, shape: tuple | None, frombuffer: Any,
+               post: Any = ..., view_as: Any = ..., /) -> bool:
+        """From now on ``get`` and ``mget`` build a pinned value with this header as
+        ``frombuffer(pinned bytes, dtype)``, reshaped to ``shape`` unless it is None; for a
+        tensor header then ``post(array)`` (``torch.from_numpy``) and ``.view(view_as)``
+        unless it is None (16 headers, the oldest replaced)."""
     def put(self, key: Any, meta: bytes, payload: Any, prefaulted: bool, /) -> bool:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
     def put_value(self, key: Any, value: Any, prefaulted: bool, /) -> bool | None:

@@ -257,6 +257,25 @@ def array_layout(meta: bytes) -> tuple[np.dtype, tuple[int, ...]] | None:
     return (dtype, shape) if dtype.itemsize else None
 
 
+@lru_cache(maxsize=4096)
+def tensor_layout(meta: bytes) -> tuple[np.dtype, tuple[int, ...], Any] | None:
+    """``(numpy dtype, shape, torch dtype to view as or None)`` of a valid tensor
+    header whose values are ``torch.from_numpy(np.frombuffer(payload,
+    dtype).reshape(shape))`` (then viewed as that torch dtype) and nothing more
+    (the C hot path builds pinned ones: ``HotPath.shaped``); else None."""
+    if meta[:1] != b"T":
+        return None
+    decoder(meta)                         # refuses a corrupt header
+    _, dt, shape_s = meta.decode().split(";")
+    torch = _torch()
+    tdtype = getattr(torch, dt)
+    twin = _byte_twin(tdtype) if isinstance(tdtype, torch.dtype) else None
+    if twin is None:
+        return None
+    shape = tuple(int(d) for d in shape_s.split(",")) if shape_s else ()
+    return twin[0], shape, (None if twin[1] else tdtype)
+
+
 def describe(meta: bytes) -> dict:
     """Kind, dtype and shape of a stored header (for ``get_into`` checks and CLIs)."""
     kind = meta[:1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import threading
 import time
 import zlib
@@ -401,11 +402,18 @@ def learn_flat(a: Arena, data: bytes, mlen: int) -> None:
 
 def learn_view(a: Arena, meta: bytes) -> None:
     """After a pinned value with header ``meta`` was built in Python: if it is an
-    ndarray, have the C hot path build the values of its header from now on."""
+    ndarray or a tensor numpy has a dtype for, have the C hot path build the
+    values of its header from now on."""
     layout = codec.array_layout(meta)
     if layout is not None:
         dtype, shape = layout
         a.hot.shaped(meta, dtype, dtype.itemsize, None if len(shape) == 1 else shape, np.frombuffer)
+        return
+    tlayout = codec.tensor_layout(meta)
+    if tlayout is not None:
+        dtype, shape, view_as = tlayout
+        a.hot.shaped(meta, dtype, dtype.itemsize, None if len(shape) == 1 else shape, np.frombuffer,
+                     sys.modules["torch"].from_numpy, view_as)
 
 
 def unpin_hits(a: Arena, hits: list) -> None:

@@ -21,11 +21,13 @@
 #define LAYOUT_NDIM 8
 #define LAYOUT_FMT 8
 
-typedef struct {                 /* an ndarray header and the dtype (and shape) to build its values with */
+typedef struct {                 /* a header and how to build its values: an ndarray (and a tensor on it) */
     PyObject *meta;              /* bytes */
     PyObject *dtype;
     Py_ssize_t itemsize;
     PyObject *shape;             /* a tuple to reshape to; NULL: 1-D */
+    PyObject *post;              /* shaped(): torch.from_numpy for a tensor header; NULL: an ndarray */
+    PyObject *view_as;           /* shaped(): the torch dtype to view the tensor as; NULL: none */
 } Flat;
 
 typedef struct {                 /* an ndarray layout as its buffer describes it, and its codec header */

@@ -2,7 +2,9 @@
  *
  * A pinned ndarray: get and mget build it here once a get decoded its header in
  * Python and registered it (shaped()): numpy.frombuffer over a Pin, the pinned
- * bytes exported read-only, reshaped.  The Pin holds the Arena (so the mapping
+ * bytes exported read-only, reshaped; a tensor: torch.from_numpy of that array
+ * (over a writable export, as torch has no read-only tensors), viewed as its
+ * dtype where numpy has none (bfloat16).  The Pin holds the Arena (so the mapping
  * outlives it) and gives the pin back when the last view built on it dies: here
  * in the process that took it, else through Arena._release (a view inherited
  * across fork, or after the slot was given back).
@@ -22,12 +24,13 @@ typedef struct {
     Py_ssize_t len;
     uint32_t pin;
     long pid;
+    int readonly;      /* 0 under a tensor: torch has no read-only tensors (as in Python) */
 } Pin;
 
-static PyObject *str_views, *str_release, *str_reshape;
+static PyObject *str_views, *str_release, *str_reshape, *str_view;
 
 static int Pin_getbuffer(Pin *self, Py_buffer *view, int flags) {
-    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, 1, flags);
+    return PyBuffer_FillInfo(view, (PyObject *)self, self->buf, self->len, self->readonly, flags);
 }
 
 static void Pin_dealloc(Pin *self) {
@@ -104,16 +107,22 @@ PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned
     p->len = (Py_ssize_t)f->nbytes;
     p->pin = f->pin;
     p->pid = self->pid;
+    p->readonly = e->post == NULL;
     *owned = 1;
     /* own references: code that runs inside numpy (a finalizer) may replace the entry */
     PyObject *fb = Py_NewRef(self->frombuffer), *dtype = Py_NewRef(e->dtype), *shape = Py_XNewRef(e->shape);
+    PyObject *post = Py_XNewRef(e->post), *view_as = Py_XNewRef(e->view_as);
     PyObject *args[2] = {(PyObject *)p, dtype};
     PyObject *arr = PyObject_Vectorcall(fb, args, 2, NULL);
     Py_DECREF(p);
     if (arr && shape) Py_SETREF(arr, PyObject_CallMethodOneArg(arr, str_reshape, shape));
+    if (arr && post) Py_SETREF(arr, PyObject_CallOneArg(post, arr));          /* torch.from_numpy */
+    if (arr && view_as) Py_SETREF(arr, PyObject_CallMethodOneArg(arr, str_view, view_as));
     Py_DECREF(fb);
     Py_DECREF(dtype);
     Py_XDECREF(shape);
+    Py_XDECREF(post);
+    Py_XDECREF(view_as);
     return arr;
 }
 
@@ -207,13 +216,16 @@ PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyBool_FromLong(ok);
 }
 
-/* shaped(meta, dtype, itemsize, shape, frombuffer): from now on get and mget build
- * a pinned value with this ndarray header as frombuffer(Pin, dtype), reshaped to
- * `shape` unless it is None; 16 headers, the oldest replaced. */
+/* shaped(meta, dtype, itemsize, shape, frombuffer[, post, view_as]): from now on
+ * get and mget build a pinned value with this header as frombuffer(Pin, dtype),
+ * reshaped to `shape` unless it is None; for a tensor header, then post(array)
+ * (torch.from_numpy) and .view(view_as) unless it is None.  16 headers, the
+ * oldest replaced. */
 PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[2]) ||
-        (args[3] != Py_None && !PyTuple_CheckExact(args[3]))) {
-        PyErr_SetString(PyExc_TypeError, "shaped(meta: bytes, dtype, itemsize: int, shape: tuple | None, frombuffer)");
+    if ((nargs != 5 && nargs != 7) || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[2]) ||
+        (args[3] != Py_None && !PyTuple_CheckExact(args[3])) || (nargs == 7 && !PyCallable_Check(args[5]))) {
+        PyErr_SetString(PyExc_TypeError, "shaped(meta: bytes, dtype, itemsize: int, shape: tuple | None, "
+                                         "frombuffer[, post: callable, view_as | None])");
         return NULL;
     }
     Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
@@ -235,11 +247,15 @@ PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
         Py_CLEAR(e->meta);
         Py_CLEAR(e->dtype);
         Py_CLEAR(e->shape);
+        Py_CLEAR(e->post);
+        Py_CLEAR(e->view_as);
     }
     e->meta = Py_NewRef(args[0]);
     e->dtype = Py_NewRef(args[1]);
     e->itemsize = itemsize;
     e->shape = args[3] == Py_None ? NULL : Py_NewRef(args[3]);
+    e->post = nargs == 7 ? Py_NewRef(args[5]) : NULL;
+    e->view_as = nargs == 7 && args[6] != Py_None ? Py_NewRef(args[6]) : NULL;
     Py_XSETREF(self->frombuffer, Py_NewRef(args[4]));
     Py_RETURN_TRUE;
 }
@@ -250,7 +266,8 @@ int values_ready(void) {
     str_views = PyUnicode_InternFromString("views");
     str_release = PyUnicode_InternFromString("_release");
     str_reshape = PyUnicode_InternFromString("reshape");
-    return str_views && str_release && str_reshape ? 0 : -1;
+    str_view = PyUnicode_InternFromString("view");
+    return str_views && str_release && str_reshape && str_view ? 0 : -1;
 }
 
 /* Drop what a HotPath's registries hold (its dealloc). */
@@ -259,6 +276,8 @@ void values_clear(HotPath *self) {
         Py_DECREF(self->shaped[i].meta);
         Py_DECREF(self->shaped[i].dtype);
         Py_XDECREF(self->shaped[i].shape);
+        Py_XDECREF(self->shaped[i].post);
+        Py_XDECREF(self->shaped[i].view_as);
     }
     for (int i = 0; i < LAYOUT_MAX; i++) Py_XDECREF(self->layouts[i].meta);
 }
