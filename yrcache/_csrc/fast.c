@@ -89,19 +89,14 @@ static PyObject *small_value(HotPath *self, const char *p, uint32_t meta_len, ui
         Py_DECREF(data);
         return view;
     }
-    if (views && p[0] == 'N') {
-        for (int i = 0; i < self->nflat; i++) {
-            Flat *f = &self->flat[i];
-            if (PyBytes_GET_SIZE(f->meta) != (Py_ssize_t)meta_len || memcmp(PyBytes_AS_STRING(f->meta), p, meta_len))
-                continue;
-            if (nbytes % (uint64_t)f->itemsize) break;          /* odd: the general path says so */
-            PyObject *data = PyBytes_FromStringAndSize(p + meta_len, (Py_ssize_t)nbytes);
-            if (!data) return NULL;
-            PyObject *args[2] = {data, f->dtype};
-            PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
-            Py_DECREF(data);
-            return arr;
-        }
+    Flat *f = views && p[0] == 'N' ? find_header(self->flat, self->nflat, p, (Py_ssize_t)meta_len) : NULL;
+    if (f && nbytes % (uint64_t)f->itemsize == 0) {   /* (odd sizes: the general path says so) */
+        PyObject *data = PyBytes_FromStringAndSize(p + meta_len, (Py_ssize_t)nbytes);
+        if (!data) return NULL;
+        PyObject *args[2] = {data, f->dtype};
+        PyObject *arr = PyObject_Vectorcall(self->frombuffer, args, 2, NULL);
+        Py_DECREF(data);
+        return arr;
     }
     PyObject *data = PyBytes_FromStringAndSize(p, (Py_ssize_t)meta_len + (Py_ssize_t)nbytes);
     return data ? Py_BuildValue("(NI)", data, meta_len) : NULL;
@@ -253,11 +248,8 @@ static PyObject *HotPath_flat(HotPath *self, PyObject *const *args, Py_ssize_t n
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "flat(): itemsize must be > 0");
         return NULL;
     }
-    Py_ssize_t mlen = PyBytes_GET_SIZE(args[0]);
-    for (int i = 0; i < self->nflat; i++)
-        if (PyBytes_GET_SIZE(self->flat[i].meta) == mlen &&
-            !memcmp(PyBytes_AS_STRING(self->flat[i].meta), PyBytes_AS_STRING(args[0]), (size_t)mlen))
-            Py_RETURN_TRUE;
+    if (find_header(self->flat, self->nflat, PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0])))
+        Py_RETURN_TRUE;
     if (self->nflat == FLAT_MAX) Py_RETURN_FALSE;
     Flat *f = &self->flat[self->nflat++];
     f->meta = Py_NewRef(args[0]);

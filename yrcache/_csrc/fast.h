@@ -61,6 +61,14 @@ typedef struct {
     Layout layouts[LAYOUT_MAX];
 } HotPath;
 
+/* The entry of `entries` (n of them) registered for header `meta`, or NULL. */
+static inline Flat *find_header(Flat *entries, int n, const char *meta, Py_ssize_t len) {
+    for (int i = 0; i < n; i++)
+        if (PyBytes_GET_SIZE(entries[i].meta) == len && !memcmp(PyBytes_AS_STRING(entries[i].meta), meta, (size_t)len))
+            return &entries[i];
+    return NULL;
+}
+
 /* fast.c */
 const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen);
 

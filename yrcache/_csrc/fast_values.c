@@ -75,13 +75,7 @@ static PyTypeObject PinType = {
  * tuple Python builds it from. */
 PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned) {
     const char *meta = (const char *)self->base + f->meta_off;
-    Flat *e = NULL;
-    for (int i = 0; views && i < self->nshaped; i++)
-        if (PyBytes_GET_SIZE(self->shaped[i].meta) == (Py_ssize_t)f->meta_len &&
-            !memcmp(PyBytes_AS_STRING(self->shaped[i].meta), meta, f->meta_len)) {
-            e = &self->shaped[i];
-            break;
-        }
+    Flat *e = views ? find_header(self->shaped, self->nshaped, meta, (Py_ssize_t)f->meta_len) : NULL;
     PyObject *arena = e && self->anchor && PyWeakref_Check(self->anchor) ? PyWeakref_GetObject(self->anchor) : NULL;
     if (!e || !arena || arena == Py_None || f->nbytes % (uint64_t)e->itemsize) {
         PyObject *m = PyBytes_FromStringAndSize(meta, f->meta_len);
@@ -233,11 +227,8 @@ PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "shaped(): itemsize must be > 0");
         return NULL;
     }
-    Py_ssize_t mlen = PyBytes_GET_SIZE(args[0]);
-    for (int i = 0; i < self->nshaped; i++)
-        if (PyBytes_GET_SIZE(self->shaped[i].meta) == mlen &&
-            !memcmp(PyBytes_AS_STRING(self->shaped[i].meta), PyBytes_AS_STRING(args[0]), (size_t)mlen))
-            Py_RETURN_TRUE;
+    if (find_header(self->shaped, self->nshaped, PyBytes_AS_STRING(args[0]), PyBytes_GET_SIZE(args[0])))
+        Py_RETURN_TRUE;
     Flat *e;
     if (self->nshaped < SHAPED_MAX) {
         e = &self->shaped[self->nshaped++];
