@@ -565,3 +565,44 @@ def test_large_plan_shapes_only():
     parts = publish_parts([(2048, 16384)] * 8, 0)
     _, plan = plan_shard(g, parts, Shard(0, 1, 4), 4)
     assert len(plan) == 2
+
+
+# --------------------------------------------------------------------------
+# The subscriber's compiled plans (equally spaced runs as one 2-d copy)
+# --------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 40), st.sampled_from([1, 2, 3, 8]), st.integers(0, 6),
+                          st.integers(1, 5)), max_size=12))
+def test_compiled_plan_copies_exactly_what_the_plan_says(groups):
+    """``subscribe._compile`` folds runs of one part that are equally long and
+    equally spaced in both buffers into one strided copy: running the compiled
+    plan writes the same bytes as the plan's rows one by one, in at most as many
+    copies, and a stretch of ``k`` equally spaced runs is one copy."""
+    from yrcache.rl.subscribe import _compile, _run_plan
+    rows, at = [], 0
+    for pid, so, n, gap, reps in groups:          # reps runs, each `n + gap` further on
+        for r in range(reps):
+            rows.append((pid, so + r * (n + 1), at, n))
+            at += n + gap
+    plan = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    srcs = [np.arange(100, dtype=np.uint8) + 37 * i for i in range(3)]
+    want = np.zeros(at + 1, dtype=np.uint8)
+    apply_plan(plan, srcs, want)
+    compiled = _compile((at + 1,), plan)
+    got = np.zeros(at + 1, dtype=np.uint8)
+    _run_plan(compiled, srcs, got)
+    np.testing.assert_array_equal(got, want)
+    assert sum(op[4] for op in compiled.ops) == len(rows) and len(compiled.ops) <= len(rows)
+    assert compiled.used == tuple(sorted({r[0] for r in rows}))
+    if len(groups) == 1 and groups[0][4] > 1:
+        assert len(compiled.ops) == 1
+
+
+def test_column_shard_of_a_tall_tensor_compiles_to_one_copy_per_part():
+    from yrcache.rl.subscribe import _compile
+    parts = publish_parts([(2048, 256), (2048, 256)], 0)
+    shape, plan = plan_shard((4096, 256), parts, Shard(1, 1, 4), 4)
+    assert len(plan) == 4096
+    assert [op[:1] + op[4:] for op in _compile(shape, plan).ops] == [(0, 2048, 1024, 256), (1, 2048, 1024, 256)]

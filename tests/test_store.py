@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
 import threading
 
 import numpy as np
@@ -468,3 +469,32 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
     s.close()
     assert hot.read("b") is False and hot.put("p", b"B", b"x", True) is False   # gone
     assert hot.mread(["b"]) is False
+
+
+def _rss_shmem() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
+
+
+def test_prefault_maps_the_pages_of_a_value_in_one_call(make_store):
+    """store.prefault(view), in a mapping that has not touched the value (attach
+    without prefault), maps every page under it at once (docs/architecture.md,
+    "Cold mappings"): the mapping's resident shared memory grows by the value's
+    size, and reading every page afterwards takes (almost) no page faults."""
+    s = make_store(dram="64MiB")
+    n = 24 << 20
+    s.put("v", np.arange(n, dtype=np.uint8))
+    t = TieredStore.attach(s.name, prefault=False)
+    try:
+        v = t.get("v")
+        before = _rss_shmem()
+        t.prefault(v)
+        assert _rss_shmem() - before >= n - (64 << 10)
+        want = int(np.arange(n, dtype=np.uint8)[::4096].astype(np.int64).sum())
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        got = sum(int(v[i]) for i in range(0, n, 4096))       # one byte of every page
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 32
+        assert got == want
+        del v
+    finally:
+        t.close()

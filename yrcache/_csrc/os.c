@@ -148,26 +148,28 @@ int yr_advise_huge(void *addr, uint64_t size) {
     return madvise(addr, size, MADV_HUGEPAGE) == 0 ? 0 : -errno;
 }
 
+/* Map the pages of a range this process has not touched, for reading or
+ * writing: one read per 64 KiB.  The arena's pages exist (the creator
+ * allocated them all), and a read fault on a shared file mapping maps the
+ * 16 cached pages around it at once (the kernel's fault-around, 64 KiB since
+ * 3.15); shmem maps them writable, as it needs no write notification.  So 2,048
+ * faults map 128 MiB, against 32,768 page lookups for MADV_POPULATE_READ
+ * (128 MiB: 12.5 vs 16.5 ms here; MADV_POPULATE_WRITE 40 ms, and 85 ms of
+ * faults taken one 4 KiB page at a time).  A page fault-around skipped (a
+ * smaller fault_around_bytes, a page not allocated yet) is faulted in later
+ * by its first use, as without this call. */
+#define FAULT_AROUND (64u << 10)
+
 int yr_populate(void *addr, uint64_t n, int write) {
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22
-#endif
-    long pg = sysconf(_SC_PAGESIZE);
-    uintptr_t start = (uintptr_t)addr & ~(uintptr_t)(pg - 1);
-    uint64_t len = ((uintptr_t)addr + n - start + pg - 1) & ~(uint64_t)(pg - 1);
-    /* READ even for a range about to be written: the arena's pages exist (the
-     * creator allocated them all), and shmem maps them writable on a read fault
-     * (it needs no write notification), so this maps them for writing too --
-     * at a third of MADV_POPULATE_WRITE's cost (129 MiB: 14 vs 40 ms here),
-     * and against 85 ms of faults taken one 4 KiB page at a time. */
     (void)write;
-    if (madvise((void *)start, len, MADV_POPULATE_READ) == 0) return 0;
-    if (errno != EINVAL) return -errno;
-    /* A kernel older than 5.14: fault the pages in by reading them. */
-    volatile char sink = 0;
-    for (uint64_t off = 0; off < len; off += (uint64_t)pg) sink ^= ((volatile char *)start)[off];
-    (void)sink;
-    return 0;
+    if (!n) return 0;
+    volatile const char *p = addr;
+    uintptr_t first = (uintptr_t)addr, end = first + n;
+    char sink = 0;
+    for (uintptr_t at = first & ~(uintptr_t)(FAULT_AROUND - 1); at < end; at += FAULT_AROUND)
+        sink ^= p[(at < first ? first : at) - first];
+    sink ^= p[n - 1];
+    return sink & 0;
 }
 
 void yr_memcpy(void *dst, const void *src, uint64_t n) {

@@ -47,25 +47,34 @@ class _Plan(NamedTuple):
 
 
 def _compile(shape: tuple, plan: np.ndarray) -> _Plan:
-    """Group each part's runs: equally long and equally spaced runs become one 2-d copy."""
+    """Group each part's runs: equally long and equally spaced runs become one 2-d copy.
+
+    Runs ``m`` and ``m + 1`` link when they read the same part with the same
+    length, forward in both buffers without overlap; a group is a stretch of
+    links with one source and one destination stride. Found with numpy, so a
+    column slice of a 4096-row tensor (4096 runs, one copy) costs a few array
+    operations, not a Python step per run."""
     plan.flags.writeable = False
+    pid, so, do, n = (plan[:, i] for i in range(4))
+    k = len(pid)
+    ss, ds = np.diff(so), np.diff(do)
+    link = (pid[1:] == pid[:-1]) & (n[1:] == n[:-1]) & (ss > 0) & (ds >= n[:-1])
+    # a stretch of links ends before a link that is missing or changes a stride
+    same = link[1:] & link[:-1] & (ss[1:] == ss[:-1]) & (ds[1:] == ds[:-1])
+    last = np.flatnonzero(~same).tolist() + [k - 2]        # the last link of each stretch
+    ends = np.repeat(last, np.diff([-1] + last)).tolist() if k > 1 else []
+    link_l = link.tolist()
     ops = []
-    pid, so, do, n = (plan[:, i].tolist() for i in range(4))
     i = 0
-    while i < len(pid):
-        j = i + 1
-        if j < len(pid) and pid[j] == pid[i] and n[j] == n[i]:
-            ss, ds = so[j] - so[i], do[j] - do[i]
-            if ss > 0 and ds >= n[i]:
-                while j < len(pid) and pid[j] == pid[i] and n[j] == n[i] \
-                        and so[j] - so[j - 1] == ss and do[j] - do[j - 1] == ds:
-                    j += 1
-                ops.append((pid[i], so[i], do[i], n[i], j - i, ss, ds))
-                i = j
-                continue
-        ops.append((pid[i], so[i], do[i], n[i], 1, 0, 0))
-        i += 1
-    return _Plan(shape, plan, tuple(sorted(set(pid))), tuple(ops), plan_nbytes(plan))
+    while i < k:                  # a step per copy, reading numbers only where one starts
+        if i < k - 1 and link_l[i]:
+            e = ends[i] + 1                                  # the group's last run
+            ops.append((int(pid[i]), int(so[i]), int(do[i]), int(n[i]), e - i + 1, int(ss[i]), int(ds[i])))
+            i = e + 1
+        else:
+            ops.append((int(pid[i]), int(so[i]), int(do[i]), int(n[i]), 1, 0, 0))
+            i += 1
+    return _Plan(shape, plan, tuple(np.unique(pid).tolist()), tuple(ops), plan_nbytes(plan))
 
 
 def _run_plan(p: _Plan, srcs: list, dst: np.ndarray) -> None:
