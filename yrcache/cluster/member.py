@@ -140,58 +140,6 @@ class Node(tp.Handler):
             self.forwarder.add(f.key, f.version)
         return status
 
-    def put_many(self, items: list[tuple[tp.Frame, bytes]]) -> list[int]:
-        """Small puts at once: the versions checked under the keys' locks, then the newer
-        ones stored under one hold of the arena lock (``mput_raw``) per (priority,
-        expiry, tier) group. A key twice in one batch goes one by one."""
-        if len({f.key for f, _ in items}) < len(items):
-            return super().put_many(items)
-        statuses = [tp.ERROR] * len(items)
-        locks = sorted({id(lk): lk for lk in (self.lock(f.key) for f, _ in items)}.items())
-        groups: dict[tuple, list[int]] = {}
-        for _, lk in locks:
-            lk.acquire()
-        try:
-            for i, (f, _) in enumerate(items):
-                try:
-                    check_wire_meta(f.meta, f.plen)
-                except ValueError as e:
-                    statuses[i] = tp.refused(f"put of {f.key[:80]!r}", e)
-                    continue
-                cur = self.current(f.key)
-                if cur is not None and f.version <= cur:
-                    statuses[i] = tp.SAME if f.version == cur else tp.STALE
-                    continue
-                groups.setdefault((f.priority, f.expire_at, f.flags & (7 << tp.TIER_SHIFT)), []).append(i)
-            for (priority, expire_at, tflags), idx in groups.items():
-                ttl, tier = _ttl_tier(expire_at, tflags)
-                try:
-                    self.local.mput_raw([(items[i][0].key, items[i][0].meta, items[i][1], items[i][0].plen)
-                                         for i in idx], priority=priority, ttl=ttl, tier=tier)
-                    stored = idx
-                except Exception:   # noqa: BLE001 - part of it may be stored: item by item, to know
-                    stored = []
-                    for i in idx:
-                        f, payload = items[i]
-                        try:
-                            self.local.put_with(f.key, f.meta, f.plen, payload, priority=priority, ttl=ttl, tier=tier)
-                            stored.append(i)
-                        except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
-                            statuses[i] = tp.refused(f"put of {f.key[:80]!r}", e)
-                for i in stored:
-                    f = items[i][0]
-                    self._applied(f.key, f.version, f.flags)
-                    statuses[i] = tp.OK
-        finally:
-            for _, lk in locks:
-                lk.release()
-        for i, (f, _) in enumerate(items):
-            if statuses[i] == tp.OK:
-                self.router.clock.observe(f.version[0])
-                if f.flags & tp.F_REPLICATE:
-                    self.forwarder.add(f.key, f.version)
-        return statuses
-
     def get(self, f: tp.Frame):
         return self.read(f.key, f.offset, f.length)
 

@@ -336,10 +336,23 @@ class Peer:
         return self._call(go, timeout)
 
 
+def put_frame(item: tuple[str, bytes, Any, int, tuple[int, int], int, float], flags: int = 0) -> bytes:
+    """One small put as a PUT frame with its payload inline: what :func:`send_puts`
+    sends for a batch of one, built once when several owners get the same put."""
+    key, meta, payload, nbytes, version, priority, expire_at = item
+    head = pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
+                expire_at=expire_at)
+    return head + memoryview(payload).cast("B") if nbytes else head
+
+
 def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]],
-              flags: int = 0) -> list[int]:
-    """Write puts as few frames: runs of small items go as MPUT frames, each large one
-    as its own PUT (sent from its buffer). Returns the items per frame (0: a PUT)."""
+              flags: int = 0, frame: bytes | None = None) -> list[int]:
+    """Write puts as few frames: one small put as a PUT (``frame``, when the caller
+    built it), runs of small items as MPUT frames, each large one as its own PUT
+    (sent from its buffer). Returns the items per frame (0: a PUT)."""
+    if len(items) == 1 and items[0][3] <= SMALL:
+        c.sock.sendall(frame if frame is not None else put_frame(items[0], flags))
+        return [0]
     frames: list[int] = []
     out = bytearray()
     run = bytearray()

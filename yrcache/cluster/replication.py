@@ -220,8 +220,8 @@ class Router:
         self._need_members()
         owners, flags = self.targets(key, mode)
         flags |= tflags
-        item = (key, meta, payload, nbytes, self.clock.next(), priority, expire_at)
-        failed = self.fan_out({m: [item] for m in owners}, flags, timeout)
+        items = [(key, meta, payload, nbytes, self.clock.next(), priority, expire_at)]
+        failed = self.fan_out(dict.fromkeys(owners, items), flags, timeout)
         if failed:
             rest = ("the others hold it and it is copied to the rest when the member set settles"
                     if len(failed) < len(owners) else "nobody holds it: put it again")
@@ -241,6 +241,11 @@ class Router:
             pool = _pool()
             futs = {m: pool.submit(self._put_items, m, items, flags, timeout) for m, items in per_member.items()}
             return [err for f in futs.values() if (err := f.result())]
+        frame = None                        # one small put to several owners: framed once
+        one = next(iter(per_member.values()), None)
+        if one is not None and len(one) == 1 and one[0][3] <= tp.SMALL and \
+                all(items is one for items in per_member.values()):
+            frame = tp.put_frame(one[0], flags)
         for m, items in per_member.items():
             if node is not None and m == node.member_id:
                 continue
@@ -256,7 +261,7 @@ class Router:
                 failed.append(f"{m} ({peer.error(e, timeout)})")
                 continue
             try:
-                frames = tp.send_puts(c, items, flags)
+                frames = tp.send_puts(c, items, flags, frame)
             except (ConnectionError, OSError):
                 c.sock.close()
                 err = self._put_items(m, items, flags, timeout)   # a stale pooled connection: once more

@@ -232,14 +232,13 @@ class ClusterStore(NodeSharing, TieredStore):
         return _write_mode(write_mode) or self._mode_default
 
     def _encode(self, value: Value) -> tuple[bytes, Any, int]:
-        why = (f"cannot store a {type(value).__name__} in a cluster: pickled objects never travel "
-               "between members; store bytes, numpy arrays or tensors")
         try:
             meta, payload, nbytes = codec.encode(value, self._pickle)
         except TypeError:
-            raise TypeError(why) from None
+            meta = b"P"
         if meta[:1] == b"P":
-            raise TypeError(why)
+            raise TypeError(f"cannot store a {type(value).__name__} in a cluster: pickled objects never "
+                            "travel between members; store bytes, numpy arrays or tensors") from None
         return meta, payload, nbytes
 
     def _local_get(self, key: str) -> Any:

@@ -39,7 +39,7 @@ from .wire import (  # noqa: F401  (the wire's names are part of this module's i
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
     RemoteError, Span, alloc, check_spans, decode_entries, decode_spans, encode_entries, encode_spans, gather, gather_into, is_loopback, pack, proof,
     read_frame, recv_exact, send_parts, spans_nbytes, split_address)
-from .peer import RECEIVED, Conn, Peer, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
+from .peer import RECEIVED, Conn, Peer, put_frame, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
 log = logging.getLogger(__name__)
 RUN_BYTES = 1 << 20      # small puts of an MPUT held in memory before they are applied
