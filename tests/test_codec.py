@@ -283,6 +283,34 @@ def test_masked_array_refused_by_the_store(make_store):
     assert np.isnan(s["m"][1])
 
 
+def test_first_puts_and_samples_in_a_new_process_import_nothing_heavy(make_store):
+    """Telling a masked array apart must not import ``numpy.ma`` (``np.ma``'s first use,
+    ~20 ms, which every process's first put of an array, every DataLoader worker's
+    first sample, used to pay): a new process stores and reads arrays, tensors and a
+    CachedDataset-style sample without it, and still refuses a masked array."""
+    import subprocess
+    import sys
+    s = make_store(dram="4MiB")
+    script = (
+        "import sys, numpy as np, torch\n"
+        "from yrcache import TieredStore\n"
+        "from yrcache._sample import _encode\n"
+        f"s = TieredStore.attach({s.name!r})\n"
+        "s.put('a', np.arange(12.0).reshape(3, 4)); s.put('t', torch.ones(5)); s.mset({'b': b'x', 'c': np.ones(3)})\n"
+        "assert s.get('a')[2, 3] == 11.0 and float(s.get('t').sum()) == 5.0 and list(s.mget(['b', 'c'])[1]) == [1, 1, 1]\n"
+        "_encode({'x': np.ones((2, 2)), 'y': [torch.zeros(3), 7]}, False)\n"
+        "print('numpy.ma' in sys.modules)\n"
+        "import numpy.ma\n"
+        "try:\n"
+        "    s.put('m', numpy.ma.masked_array([1.0, 2.0], mask=[0, 1]))\n"
+        "except TypeError as e:\n"
+        "    print('refused', 'mask' in str(e))\n"
+        "s.close()\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "refused", "True"], r.stdout
+
+
 def test_conjugate_and_negative_views_are_stored_as_their_values(make_store):
     """A conjugate (or negative) view keeps its data unconjugated and a bit aside; what
     is stored is the values it shows, small (copied out) or large (a pinned view)."""

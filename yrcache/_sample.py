@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import _numpy_twin, _torch_twin
+from .codec import _numpy_twin, _torch_twin, is_masked
 from .errors import UntrustedStoreError, YrcacheError
 
 # A cached sample is one store object: a flat uint8 tensor holding
@@ -143,7 +143,7 @@ def _encode(sample: Any, allow_pickle: bool) -> _Encoded:
             t = x.detach()
             n = t.numel() * t.element_size()
             return ["T", str(t.dtype).replace("torch.", ""), list(t.shape), leaf(n, tensor_writer(t)), n]
-        if isinstance(x, np.ndarray) and not isinstance(x, np.ma.MaskedArray):
+        if isinstance(x, np.ndarray) and not is_masked(x):
             if x.dtype.kind not in _NUMPY_KINDS or x.dtype.hasobject:
                 return unsupported(x, f"numpy dtype {x.dtype}; numeric and bool dtypes are supported")
             dt = x.dtype.newbyteorder("=")          # stored native: views need no swap
@@ -167,7 +167,7 @@ def _encode(sample: Any, allow_pickle: bool) -> _Encoded:
                                     f"key {k!r}")
                 out += [k, node(v, depth + 1)]
             return out
-        if isinstance(x, np.ma.MaskedArray):
+        if is_masked(x):
             return unsupported(x, "its mask would be lost")
         return unsupported(x, "not a supported sample type")
 

@@ -76,6 +76,14 @@ def _shape_str(shape) -> str:
     return ",".join(str(int(d)) for d in shape)
 
 
+def is_masked(value: Any) -> bool:
+    """Is ``value`` a numpy masked array? Asked without touching ``np.ma``, whose first
+    use imports ``numpy.ma`` (~20 ms, once per process: every DataLoader worker's
+    first put paid it); no masked array exists before that module is imported."""
+    ma = sys.modules.get("numpy.ma")
+    return ma is not None and isinstance(value, ma.MaskedArray)
+
+
 def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
     """Return ``(meta, payload, nbytes)``; ``payload`` supports the buffer protocol.
 
@@ -95,7 +103,7 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         if not value.c_contiguous:
             value = memoryview(value.tobytes())
         return b"B", value, value.nbytes
-    if isinstance(value, np.ma.MaskedArray):
+    if is_masked(value):
         # Its data would be stored and its mask dropped: the value read back would
         # show masked-out entries as if they were valid.
         return _fallback(value, allow_pickle,
