@@ -122,3 +122,16 @@ def test_no_module_is_over_about_600_lines():
     sources = list(PKG.rglob("*.py")) + list((PKG / "_csrc").glob("*.[ch]"))   # not cffi's generated _arena.c
     big = {str(p.relative_to(PKG)): n for p in sources if (n := len(p.read_text().splitlines())) > 640}
     assert not big, big
+
+
+def test_importing_the_package_loads_nothing_it_does_not_need():
+    """``import yrcache`` (every DataLoader and rollout worker pays it) loads neither
+    torch (imported on first use) nor cffi's C parser (``cffi.FFI()`` would load
+    pycparser, ~30 ms; the compiled core's ``ffi`` serves) nor ``numpy.ma``."""
+    import subprocess
+    import sys
+    script = ("import sys, yrcache, yrcache.rl, yrcache.cluster.store\n"
+              "print(sorted(m for m in ('torch', 'pycparser', 'numpy.ma') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
-import cffi
 import numpy as np
 
 from ..errors import YrcacheError
+from ..tiers.dram import ffi      # the compiled core's: cffi.FFI() would import pycparser (~30 ms)
 
 MAGIC = b"YR"
 PROTO = 1
@@ -256,7 +256,6 @@ class RecvPool:
         self.pooled = 0
         self._free: dict[int, list[mmap.mmap]] = {}
         self._lock = threading.Lock()
-        self._ffi = cffi.FFI()
 
     def take(self, n: int) -> Any:
         size = -(-n // self.STEP) * self.STEP
@@ -268,7 +267,6 @@ class RecvPool:
         if m is None:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
             m = mmap.mmap(-1, size, flags=flags)
-        ffi = self._ffi
         export = ffi.from_buffer(m)
         ptr = ffi.gc(ffi.cast("char *", export), lambda _p, m=m, export=export: self._give(m, size))
         return ffi.buffer(ptr, n)          # keeps ptr (and so the mapping) alive while referenced
