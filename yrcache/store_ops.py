@@ -147,9 +147,12 @@ class StoreOps:
             if hit is not False:
                 return _raw_hit(a, hit, key)
         got = a.read(key_bytes(key), small=self._hbm is None)
-        if got is None:
-            return None
-        info, small = got
+        return None if got is None else self._raw_of(key, *got)
+
+    def _raw_of(self, key: str, info: Any, small: bytes | None) -> tuple[bytes, memoryview] | None:
+        """``get_raw``'s answer for an object read (and counted) already: ``small`` its
+        copied bytes, or None when ``info`` holds a pin, which this takes over."""
+        a = self._a
         meta = small[:info.meta_len] if small is not None else a.meta(info)
         if meta[:1] == b"P":
             if small is None:
@@ -251,20 +254,23 @@ class StoreOps:
         if not kbs:
             return []
         infos, found, copied = a.mread(kbs, small=self._hbm is None)
-        for i in range(len(kbs)):
-            if found[i] == 1:
-                a.unpin(infos[i].pin)           # read again below, with get_raw's checks
         body = memoryview(copied).toreadonly()
-        for i, k in enumerate(keys):
-            if found[i] == 2:
+        try:
+            for i, k in enumerate(keys):
                 info = infos[i]
-                mo, po = info.meta_off, info.payload_off
-                meta = copied[mo:mo + info.meta_len]
-                if meta[:1] == b"P":
-                    raise TypeError(f"{k!r} holds a pickled object, which has no raw form: read it with get()")
-                out.append((meta, body[po:po + info.nbytes]))
-            else:
-                out.append(self.get_raw(k) if found[i] else None)
+                if found[i] == 2:                   # a small DRAM object, copied out
+                    mo, po = info.meta_off, info.payload_off
+                    meta = copied[mo:mo + info.meta_len]
+                    if meta[:1] == b"P":
+                        raise TypeError(f"{k!r} holds a pickled object, which has no raw form: read it with get()")
+                    out.append((meta, body[po:po + info.nbytes]))
+                else:                               # pinned (and counted) by the read above
+                    out.append(self._raw_of(k, info, None) if found[i] else None)
+        except BaseException:       # the failed one released its pin; release the rest
+            for j in range(len(out) + 1, len(kbs)):
+                if found[j] == 1:
+                    a.unpin(infos[j].pin)
+            raise
         return out
 
     def get_into(self, key: str, out: _Out) -> _Out:
