@@ -711,3 +711,17 @@ def test_a_write_issued_a_round_trip_after_another_handles_write_is_newer():
         put = put_clock.next()
         time.sleep(50e-6)
         assert delete_clock.next() > put
+
+
+def test_a_batch_takes_consecutive_versions_after_everything_before_it():
+    """``mset`` takes one clock read for its batch (``next_many``): each item gets its
+    own version, all after the versions handed out before and before those after, so
+    the later of two writes of one key in a batch wins, as with a clock read each."""
+    from yrcache.cluster.replication import Clock
+
+    clock = Clock()
+    before = clock.next()[0]
+    first = clock.next_many(100)
+    after = clock.next()[0]
+    assert before < first and first + 99 < after
+    assert clock.next_many(0) > after                  # an empty batch still moves on

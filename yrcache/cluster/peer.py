@@ -345,11 +345,21 @@ def put_frame(item: tuple[str, bytes, Any, int, tuple[int, int], int, float], fl
     return head + memoryview(payload).cast("B") if nbytes else head
 
 
+def put_item(item: tuple[str, bytes, Any, int, tuple[int, int], int, float]) -> bytes:
+    """One small put as an item of an MPUT frame's body (header, key, meta, payload)."""
+    key, meta, payload, nbytes, version, priority, expire_at = item
+    kb = key.encode()
+    head = _PUT_ITEM.pack(len(kb), len(meta), nbytes, version[0], version[1], priority, expire_at)
+    return b"".join((head, kb, meta, memoryview(payload).cast("B"))) if nbytes else head + kb + meta
+
+
 def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, int], int, float]],
-              flags: int = 0, frame: bytes | None = None) -> list[int]:
+              flags: int = 0, frame: bytes | None = None, packed: dict[int, bytes] | None = None) -> list[int]:
     """Write puts as few frames: one small put as a PUT (``frame``, when the caller
     built it), runs of small items as MPUT frames, each large one as its own PUT
-    (sent from its buffer). Returns the items per frame (0: a PUT)."""
+    (sent from its buffer). ``packed`` keeps each small item's bytes by ``id(item)``,
+    so an item sent to several owners is packed once. Returns the items per frame
+    (0: a PUT)."""
     if len(items) == 1 and items[0][3] <= SMALL:
         c.sock.sendall(frame if frame is not None else put_frame(items[0], flags))
         return [0]
@@ -365,7 +375,8 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
             out.extend(run)
             frames.append(n)
             run, n = bytearray(), 0
-    for key, meta, payload, nbytes, version, priority, expire_at in items:
+    for item in items:
+        key, meta, payload, nbytes, version, priority, expire_at = item
         if nbytes > SMALL:
             close_run()
             out.extend(pack(PUT, key.encode(), meta, nbytes, flags=flags, version=version, priority=priority,
@@ -375,12 +386,12 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
             out = bytearray()
             frames.append(0)
             continue
-        kb = key.encode()
-        run += _PUT_ITEM.pack(len(kb), len(meta), nbytes, version[0], version[1], priority, expire_at)
-        run += kb
-        run += meta
-        if nbytes:
-            run += memoryview(payload).cast("B")
+        rec = packed.get(id(item)) if packed is not None else None
+        if rec is None:
+            rec = put_item(item)
+            if packed is not None:
+                packed[id(item)] = rec
+        run += rec
         n += 1
         if n >= MAX_BATCH or len(run) > (1 << 20):
             close_run()
@@ -394,7 +405,7 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
 
 def recv_puts(c: Conn, frames: list[int]) -> list[int]:
     """The statuses of the puts :func:`send_puts` sent, in order."""
-    statuses: list[int] = []
+    statuses = bytearray()
     for n in frames:
         if n == 0:
             statuses.append(c.reply(PUT).status)
@@ -403,8 +414,8 @@ def recv_puts(c: Conn, frames: list[int]) -> list[int]:
             if f.plen != n:
                 raise ProtocolError(f"an mput of {n} items answered with {f.plen} statuses")
             statuses += c.body(n)
-    bad = [x for x in statuses if x in (ERROR, FULL)]
-    if bad:
-        raise RemoteError(f"the member refused {len(bad)} of {len(statuses)} puts"
-                          + (" (it is full)" if FULL in bad else ""), FULL if FULL in bad else ERROR)
-    return statuses
+    full, bad = statuses.count(FULL), statuses.count(ERROR)
+    if full or bad:
+        raise RemoteError(f"the member refused {full + bad} of {len(statuses)} puts"
+                          + (" (it is full)" if full else ""), FULL if full else ERROR)
+    return list(statuses)

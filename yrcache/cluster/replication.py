@@ -65,6 +65,14 @@ class Clock:
             self._last = max((time.time_ns() // 1000) << 8, self._last + 1)
             return self._last, self.writer
 
+    def next_many(self, n: int) -> int:
+        """The first of ``n`` consecutive versions (``hlc``, ``hlc + 1``, ...; the writer is
+        ``self.writer``): one clock read for a batch, each write still its own version."""
+        with self._lock:
+            first = max((time.time_ns() // 1000) << 8, self._last + 1)
+            self._last = first + max(n, 1) - 1
+            return first
+
     def observe(self, hlc: int) -> None:
         with self._lock:
             if hlc > self._last:
@@ -241,6 +249,7 @@ class Router:
             pool = _pool()
             futs = {m: pool.submit(self._put_items, m, items, flags, timeout) for m, items in per_member.items()}
             return [err for f in futs.values() if (err := f.result())]
+        packed: dict[int, bytes] = {}       # a small item sent to several owners: packed once
         frame = None                        # one small put to several owners: framed once
         one = next(iter(per_member.values()), None)
         if one is not None and len(one) == 1 and one[0][3] <= tp.SMALL and \
@@ -261,7 +270,7 @@ class Router:
                 failed.append(f"{m} ({peer.error(e, timeout)})")
                 continue
             try:
-                frames = tp.send_puts(c, items, flags, frame)
+                frames = tp.send_puts(c, items, flags, frame, packed)
             except (ConnectionError, OSError):
                 c.sock.close()
                 err = self._put_items(m, items, flags, timeout)   # a stale pooled connection: once more

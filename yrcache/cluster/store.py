@@ -313,11 +313,12 @@ class ClusterStore(NodeSharing, TieredStore):
         router._need_members()
         by_member: dict[str, list] = {}
         flags = 0
-        for k, meta, payload, nbytes in rows:
-            version = router.clock.next()
+        hlc, writer = router.clock.next_many(len(rows)), router.clock.writer
+        for i, (k, meta, payload, nbytes) in enumerate(rows):
             targets, flags = router.targets(k, mode)
+            item = (k, meta, payload, nbytes, (hlc + i, writer), pr, exp)    # one tuple for all owners
             for m in targets:
-                by_member.setdefault(m, []).append((k, meta, payload, nbytes, version, pr, exp))
+                by_member.setdefault(m, []).append(item)
         t = _tier(tier)
         if t is not None:
             flags |= (int(t) + 1) << tp.TIER_SHIFT
