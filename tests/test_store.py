@@ -476,12 +476,16 @@ def _rss_shmem() -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
 
 
-def test_prefault_maps_the_pages_of_a_value_in_one_call(make_store):
+@pytest.mark.parametrize("created_prefaulted", [True, False])
+def test_prefault_maps_the_pages_of_a_value_in_one_call(make_store, created_prefaulted):
     """store.prefault(view), in a mapping that has not touched the value (attach
     without prefault), maps every page under it at once (docs/architecture.md,
-    "Cold mappings"): the mapping's resident shared memory grows by the value's
-    size, and reading every page afterwards takes (almost) no page faults."""
-    s = make_store(dram="64MiB")
+    "Huge pages"): the mapping's resident shared memory grows by the value's size,
+    and reading every page afterwards takes (almost) no page faults. A large put
+    into such a mapping finds its block mapped before it writes, also in a store
+    created without prefault, whose untouched pages the kernel cannot map 16 at a
+    time (each is initialised on its first fault)."""
+    s = make_store(dram="128MiB", prefault=created_prefaulted)
     n = 24 << 20
     s.put("v", np.arange(n, dtype=np.uint8))
     t = TieredStore.attach(s.name, prefault=False)
@@ -496,5 +500,14 @@ def test_prefault_maps_the_pages_of_a_value_in_one_call(make_store):
         assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0 < 32
         assert got == want
         del v
+        seen = []
+
+        def fill(view):                      # the block as the put hands it over, unwritten
+            seen.append(_rss_shmem() - before2)
+            view[:] = 7
+        before2 = _rss_shmem()
+        t.put_with("w", b"B", n, fill)
+        assert seen[0] >= n - (64 << 10), (seen, n)
+        assert bytes(t.get("w")[-3:]) == b"\x07\x07\x07"
     finally:
         t.close()
