@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 import queue as queue_mod
+import subprocess
 import time
 import traceback
 
@@ -119,3 +120,11 @@ def drop_failed_test_locals() -> None:
         else:
             tb.tb_frame.f_locals.clear()
         tb = tb.tb_next
+
+
+def fresh_python(script: str, timeout: float = 120.0) -> str:
+    """Run ``script`` in a new interpreter (nothing imported yet, so first-use costs show)
+    and return what it printed; a failure there fails the test with its stderr."""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout

@@ -288,8 +288,7 @@ def test_first_puts_and_samples_in_a_new_process_import_nothing_heavy(make_store
     ~20 ms, which every process's first put of an array, every DataLoader worker's
     first sample, used to pay): a new process stores and reads arrays, tensors and a
     CachedDataset-style sample without it, and still refuses a masked array."""
-    import subprocess
-    import sys
+    from procs import fresh_python
     s = make_store(dram="4MiB")
     script = (
         "import sys, numpy as np, torch\n"
@@ -306,9 +305,8 @@ def test_first_puts_and_samples_in_a_new_process_import_nothing_heavy(make_store
         "except TypeError as e:\n"
         "    print('refused', 'mask' in str(e))\n"
         "s.close()\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "refused", "True"], r.stdout
+    out = fresh_python(script)
+    assert out.split() == ["False", "refused", "True"], out
 
 
 def test_conjugate_and_negative_views_are_stored_as_their_values(make_store):

@@ -128,10 +128,8 @@ def test_importing_the_package_loads_nothing_it_does_not_need():
     """``import yrcache`` (every DataLoader and rollout worker pays it) loads neither
     torch (imported on first use) nor cffi's C parser (``cffi.FFI()`` would load
     pycparser, ~30 ms; the compiled core's ``ffi`` serves) nor ``numpy.ma``."""
-    import subprocess
-    import sys
+    from procs import fresh_python
     script = ("import sys, yrcache, yrcache.rl, yrcache.cluster.store\n"
               "print(sorted(m for m in ('torch', 'pycparser', 'numpy.ma') if m in sys.modules))")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]", r.stdout
+    out = fresh_python(script)
+    assert out.strip() == "[]", out

@@ -511,8 +511,7 @@ def test_first_fetch_in_a_new_process_imports_nothing_heavy(make_store):
     must not pull in modules it does not use (``np.unique``'s first call imports
     ``numpy.ma``, ~20 ms here, which once made every new subscriber's first fetch that
     much slower). Row, column and whole-tensor plans are all exercised."""
-    import subprocess
-    import sys
+    from procs import fresh_python
     store = make_store()
     pub = WeightPublisher(store, "policy", rank=0, world=1)
     pub.publish({"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48),
@@ -531,6 +530,5 @@ def test_first_fetch_in_a_new_process_imports_nothing_heavy(make_store):
         "del a, b\n"
         "s.close()\n"
         "print(heavy)\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]", r.stdout
+    out = fresh_python(script)
+    assert out.strip() == "[]", out
