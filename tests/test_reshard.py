@@ -580,7 +580,7 @@ def test_compiled_plan_copies_exactly_what_the_plan_says(groups):
     equally spaced in both buffers into one strided copy: running the compiled
     plan writes the same bytes as the plan's rows one by one, in at most as many
     copies, and a stretch of ``k`` equally spaced runs is one copy."""
-    from yrcache.rl.subscribe import _compile, _run_plan
+    from yrcache.rl.reshard import _compile, _run_plan
     rows, at = [], 0
     for pid, so, n, gap, reps in groups:          # reps runs, each `n + gap` further on
         for r in range(reps):
@@ -601,7 +601,7 @@ def test_compiled_plan_copies_exactly_what_the_plan_says(groups):
 
 
 def test_column_shard_of_a_tall_tensor_compiles_to_one_copy_per_part():
-    from yrcache.rl.subscribe import _compile
+    from yrcache.rl.reshard import _compile
     parts = publish_parts([(2048, 256), (2048, 256)], 0)
     shape, plan = plan_shard((4096, 256), parts, Shard(1, 1, 4), 4)
     assert len(plan) == 4096

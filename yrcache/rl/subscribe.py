@@ -21,7 +21,7 @@ from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
 from .remote import PartsUnavailable, drop_older, fetch_parts, is_remote, plan_spans
-from .reshard import Fused, Shard, plan_fused, plan_nbytes, plan_shard
+from .reshard import Fused, Shard, _Plan, _compile, _run_plan, plan_fused, plan_shard
 
 if TYPE_CHECKING:
     from .. import TieredStore
@@ -34,60 +34,6 @@ BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting dest
 
 
 # --------------------------------------------------------------------------- fetch
-
-
-class _Plan(NamedTuple):
-    """A copy plan (``reshard.PLAN_COLUMNS`` rows) compiled into a few strided byte copies."""
-
-    shape: tuple
-    plan: np.ndarray
-    used: tuple          # part ids the plan reads
-    ops: tuple           # (part, src_off, dst_off, run, rows, src_stride, dst_stride)
-    nbytes: int          # bytes the plan copies
-
-
-def _compile(shape: tuple, plan: np.ndarray) -> _Plan:
-    """Group each part's runs: equally long and equally spaced runs become one 2-d copy.
-
-    Runs ``m`` and ``m + 1`` link when they read the same part with the same
-    length, forward in both buffers without overlap; a group is a stretch of
-    links with one source and one destination stride. Found with numpy, so a
-    column slice of a 4096-row tensor (4096 runs, one copy) costs a few array
-    operations, not a Python step per run."""
-    plan.flags.writeable = False
-    pid, so, do, n = (plan[:, i] for i in range(4))
-    k = len(pid)
-    ss, ds = np.diff(so), np.diff(do)
-    link = (pid[1:] == pid[:-1]) & (n[1:] == n[:-1]) & (ss > 0) & (ds >= n[:-1])
-    # a stretch of links ends before a link that is missing or changes a stride
-    same = link[1:] & link[:-1] & (ss[1:] == ss[:-1]) & (ds[1:] == ds[:-1])
-    last = np.flatnonzero(~same).tolist() + [k - 2]        # the last link of each stretch
-    ends = np.repeat(last, np.diff([-1] + last)).tolist() if k > 1 else []
-    link_l = link.tolist()
-    ops = []
-    i = 0
-    while i < k:                  # a step per copy, reading numbers only where one starts
-        if i < k - 1 and link_l[i]:
-            e = ends[i] + 1                                  # the group's last run
-            ops.append((int(pid[i]), int(so[i]), int(do[i]), int(n[i]), e - i + 1, int(ss[i]), int(ds[i])))
-            i = e + 1
-        else:
-            ops.append((int(pid[i]), int(so[i]), int(do[i]), int(n[i]), 1, 0, 0))
-            i += 1
-    # (every run is in one copy, so the copies name every part read; not np.unique,
-    # whose first call in a process costs ~20 ms of imports)
-    return _Plan(shape, plan, tuple(sorted({op[0] for op in ops})), tuple(ops), plan_nbytes(plan))
-
-
-def _run_plan(p: _Plan, srcs: list, dst: np.ndarray) -> None:
-    """Execute a compiled plan: flat uint8 ``srcs[part]`` -> flat uint8 ``dst`` (bounds checked by numpy)."""
-    for pid, so, do, n, rows, ss, ds in p.ops:
-        src = srcs[pid]
-        if rows == 1:
-            dst[do:do + n] = src[so:so + n]
-        else:
-            np.ndarray((rows, n), np.uint8, dst, do, (ds, 1))[...] = \
-                np.ndarray((rows, n), np.uint8, src, so, (ss, 1))
 
 
 @functools.lru_cache(maxsize=8192)
