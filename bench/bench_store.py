@@ -356,8 +356,11 @@ def bench_put(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
                 # the first get right after a put, in the same process (issue 7: <= 5 µs), and
                 # the same get right after an np.copyto of the same size (the caches and TLB
                 # a 64 MiB copy leaves behind, whoever makes it)
-                first, after_copy, floor = [], [], []
-                probe = {key: 1}
+                first, after_copy, floor, floor_call, floor_np = [], [], [], [], []
+                probe, tiny = {key: 1}, bytes(16)
+
+                def noop() -> None:
+                    pass
                 for _ in range(reps):
                     for which, into in (("put", first), ("copyto", after_copy)):
                         if which == "put":
@@ -368,12 +371,23 @@ def bench_put(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
                         v = store.get(key)
                         into.append(pc() - t0)
                         del v
-                    # the floor: the cheapest Python step right after the same put
+                    # the floors: the cheapest Python steps right after the same put: a dict
+                    # lookup, a call of a function that does nothing, and numpy's cheapest call
+                    # (a 16-byte frombuffer: what any C extension's first call pays)
                     put(key, src)
                     t0 = pc()
                     probe.get(key)
                     floor.append(pc() - t0)
-                res["first_get"] = {"size": size, "yr": first, "after_copyto": after_copy, "floor": floor}
+                    put(key, src)
+                    t0 = pc()
+                    noop()
+                    floor_call.append(pc() - t0)
+                    put(key, src)
+                    t0 = pc()
+                    np.frombuffer(tiny, np.uint8)
+                    floor_np.append(pc() - t0)
+                res["first_get"] = {"size": size, "yr": first, "after_copyto": after_copy, "floor": floor,
+                                    "floor_call": floor_call, "floor_numpy": floor_np}
             v = store.get(key)
             ok = v.shape == src.shape and np.array_equal(v[::4093], src[::4093]) and v[-1] == src[-1]
             del v
@@ -646,10 +660,12 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
             f"(min {U.fmt_ns(min(fg['yr']))}, n={len(fg['yr'])})", f"{U.fmt_ns(b_med)} (min "
             f"{U.fmt_ns(min(fg['after_copyto']))})", b_med / med, f"median <= {GET_TARGET_NS // 1000} µs",
             med <= GET_TARGET_NS, yr_ns=fg["yr"], base_ns=fg["after_copyto"])
-        if fg.get("floor"):
-            row(f"a dict lookup right after a put of {U.fmt_size(fg['size'])} (the floor of the row above)",
-                f"{U.fmt_ns(U.median(fg['floor']))} (min {U.fmt_ns(min(fg['floor']))})", "-", None, "-",
-                None, floor_ns=fg["floor"])
+        for k, what in (("floor", "a dict lookup"), ("floor_call", "a call of a function that does nothing"),
+                        ("floor_numpy", "np.frombuffer of 16 bytes")):
+            if fg.get(k):
+                row(f"{what} right after a put of {U.fmt_size(fg['size'])} (a floor of the row above)",
+                    f"{U.fmt_ns(U.median(fg[k]))} (min {U.fmt_ns(min(fg[k]))})", "-", None, "-",
+                    None, **{f"{k}_ns": fg[k]})
 
     sm = res.get("small", {})
     if sm.get("yr_put"):
@@ -706,6 +722,8 @@ get:    per-get latency in a spawned process that attached by name and warmed up
         request + receive of the array from the server's dict (from the main process).
 first:  the get of a 64 MiB value right after its put, in the putting process; baseline: the
         same get right after an np.copyto of 64 MiB (what any large copy leaves in the caches and TLB).
+        Floors, each right after its own put: a dict lookup, a call of an empty function, and
+        np.frombuffer of 16 bytes (the first call into a C extension after the copy).
 1 KiB:  {small_n} distinct keys per round, median of {rounds} rounds (best shown); gets include
         dropping each view; the 1,000-key row reads the first 1,000 of them over and over (a
         working set that stays in the caches and the TLB: the rest is what the memory system costs). Baselines over {base_n} keys (SharedMemory: one segment per key).

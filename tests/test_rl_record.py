@@ -170,9 +170,9 @@ def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_fou
     import torch
     store = make_store()
     reads: list = []
-    real_get, real_mget = store.get, store.mget
+    real_get, real_mget = store.get, store.mget_raw
     monkeypatch.setattr(store, "get", lambda k, *a, **kw: reads.append("get") or real_get(k, *a, **kw))
-    monkeypatch.setattr(store, "mget", lambda ks, **kw: reads.append(len(ks)) or real_mget(ks, **kw))
+    monkeypatch.setattr(store, "mget_raw", lambda ks: reads.append(len(ks)) or real_mget(ks))
 
     def st(v):
         return {"w": np.arange(6, dtype=np.float32).reshape(2, 3) + v, "t": torch.arange(4) + v}

@@ -69,31 +69,6 @@ class _Compiled(NamedTuple):
     version_bytes: int   # bytes of everything stored for a version
 
 
-def _whole_part(t: _Target, views: list) -> Any:
-    """A copy of the stored part that is all of target ``t``, as it is stored (an
-    ndarray or a CPU tensor); None when ``t`` is not one whole part (a slice, parts
-    of several ranks, or a part of another shape)."""
-    ops = t.plan.ops
-    if len(ops) != 1:
-        return None
-    pid, so, do, n, rows, _ss, _ds = ops[0]
-    v = views[t.slots[pid]]
-    if so or do or rows != 1 or n != t.plan.nbytes or tuple(v.shape) != t.shape:
-        return None
-    if t.kind == "torch":     # (a part some tier holds on a device is gathered to the host)
-        return v.clone() if v.device.type == "cpu" and v.dtype == getattr(_torch(), t.dtype) else None
-    return v.copy() if isinstance(v, np.ndarray) and v.dtype.str == t.dtype else None
-
-
-def _src_bytes(view: Any) -> np.ndarray:
-    """Flat uint8 numpy view of a stored part (no copy)."""
-    if isinstance(view, np.ndarray):
-        return view.reshape(-1).view(np.uint8)
-    if view.numel() == 0:
-        return np.empty(0, np.uint8)
-    return view.reshape(-1).view(_torch().uint8).numpy()
-
-
 class _NoBar:
     def __enter__(self):
         return self
@@ -285,8 +260,8 @@ class WeightSubscriber:
             return None
         raw, marker, c, suffixes = last
         keys = self.board.marker_and_part_keys(version, suffixes)
-        got = self.store.mget(keys)
-        if got[0] is None or bytes(got[0]) != raw:
+        got = self.store.mget_raw(keys)
+        if got[0] is None or got[0][1] != raw:
             return None
         return marker, c, keys[1:], got[1:]
 
@@ -415,13 +390,11 @@ class WeightSubscriber:
         if self._remote:                               # parts on other machines: ranged reads
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
-            if views is None:
-                views = self.store.mget(keys)          # one atomic, pinned snapshot
+            if views is None:     # one atomic, pinned snapshot of the stored bytes (nothing decoded)
+                views = self.store.mget_raw(keys)
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
-            # (a whole part of a small state is copied as it is stored: see _whole_part)
-            small = not into and dtype is None and c.needed < PREFAULT_MIN_BYTES
-            bufs = None if small else [_src_bytes(v) for v in views]
+            bufs = [np.frombuffer(body, np.uint8) for _meta, body in views]
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
@@ -441,16 +414,8 @@ class WeightSubscriber:
             stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, self.name, version) as bar:
             for t in targets:
-                got = None
-                if bufs is None:                       # a small state read here: views are set
-                    assert views is not None
-                    got = _whole_part(t, views)
-                    if got is None:
-                        bufs = [_src_bytes(v) for v in views]
-                if got is None:
-                    got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
-                                       into.get(t.name), dtype, stager)
-                out[t.name] = got
+                out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
+                                           into.get(t.name), dtype, stager)
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
             if stager is not None:
@@ -494,7 +459,8 @@ class WeightSubscriber:
             if t.kind == "torch":
                 torch = _torch()
                 res = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
-                _run_plan(t.plan, srcs, codec.as_bytes_view(res))
+                _run_plan(t.plan, srcs, res.view(-1).view(torch.uint8).numpy() if res.numel()
+                          else np.empty(0, np.uint8))
                 return res if want is None or want == res.dtype else res.to(want)
             res = np.empty(t.shape, dtype=np.dtype(t.dtype))
             _run_plan(t.plan, srcs, res.reshape(-1).view(np.uint8))
