@@ -394,7 +394,7 @@ class WeightSubscriber:
                 views = self.store.mget_raw(keys)
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
-            bufs = [np.frombuffer(body, np.uint8) for _meta, body in views]
+            bufs = [np.frombuffer(v[1], np.uint8) for v in views if v is not None]   # (none is: checked)
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
