@@ -163,19 +163,24 @@ def _publish_from_child(pub, v):
     pub.publish({"w": np.full(4, v, np.float32)}, version=v)
 
 
-def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_found(make_store, monkeypatch):
+@pytest.mark.parametrize("rows", [2, 600])
+def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_found(make_store, monkeypatch, rows):
     """The marker of an unchanged model is the same bytes every version: a subscriber
     reads marker and parts in one mget. A new publisher (a restarted trainer) has new
-    part keys: its version is still found, and what fetch returns is the subscriber's own."""
+    part keys: its version is still found, and what fetch returns is the subscriber's own.
+    A state under 1 MiB is read decoded (``mget``), a larger one as stored bytes
+    (``mget_raw``)."""
     import torch
     store = make_store()
     reads: list = []
-    real_get, real_mget = store.get, store.mget_raw
+    real_get, real_mget, real_mget_raw = store.get, store.mget, store.mget_raw
     monkeypatch.setattr(store, "get", lambda k, *a, **kw: reads.append("get") or real_get(k, *a, **kw))
-    monkeypatch.setattr(store, "mget_raw", lambda ks: reads.append(len(ks)) or real_mget(ks))
+    monkeypatch.setattr(store, "mget", lambda ks, **kw: reads.append(("mget", len(ks))) or real_mget(ks, **kw))
+    monkeypatch.setattr(store, "mget_raw", lambda ks: reads.append(("raw", len(ks))) or real_mget_raw(ks))
+    read = "raw" if rows > 2 else "mget"
 
     def st(v):
-        return {"w": np.arange(6, dtype=np.float32).reshape(2, 3) + v, "t": torch.arange(4) + v}
+        return {"w": np.arange(rows * 512, dtype=np.float32).reshape(rows, 512) + v, "t": torch.arange(4) + v}
     sub = WeightSubscriber(store, "policy")
     pub = WeightPublisher(store, "policy", keep=2)
     pub.publish(st(1), version=1)
@@ -184,7 +189,7 @@ def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_fou
         pub.publish(st(v), version=v)
         reads.clear()
         got = sub.fetch(v)
-        assert reads == [3], reads                         # marker + 2 parts, one mget
+        assert reads == [(read, 3)], reads                 # marker + 2 parts, one mget
         np.testing.assert_array_equal(got["w"], st(v)["w"])
         assert torch.equal(got["t"], st(v)["t"])
         got["w"] += 100                                    # writable, and the fetch's own
@@ -196,7 +201,7 @@ def test_an_unchanged_model_is_read_in_one_mget_and_a_restarted_publisher_is_fou
     restarted.publish(st(4), version=4)
     reads.clear()
     got = sub.fetch(4)
-    assert reads == [3, "get", 2], reads                   # marker differs: read it, then the parts
+    assert reads == [(read, 3), "get", (read, 2)], reads   # marker differs: read it, then the parts
     np.testing.assert_array_equal(got["w"], st(4)["w"])
     assert torch.equal(got["t"], st(4)["t"])
     with pytest.raises(KeyError, match="reclaimed"):

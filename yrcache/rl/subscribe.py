@@ -69,6 +69,45 @@ class _Compiled(NamedTuple):
     version_bytes: int   # bytes of everything stored for a version
 
 
+def _read_parts(store: TieredStore, keys: list[str], decoded: bool) -> list:
+    """The parts of one fetch in one atomic, pinned read (None where one is gone).  A
+    large fetch reads the stored bytes (``mget_raw``: a process's first fetch of 122 parts
+    spent 4 ms decoding them into tensors only to view them as bytes again); a small one
+    without ``into``/``dtype`` reads decoded values (small 1-D arrays are built in C), and
+    a whole part is then one ``copy()``."""
+    return store.mget(keys) if decoded else store.mget_raw(keys)
+
+
+def _stored_bytes(view: Any) -> np.ndarray:
+    """Flat uint8 numpy view of what ``_read_parts`` returned for a part (no copy)."""
+    return np.frombuffer(view[1], np.uint8) if isinstance(view, tuple) else _src_bytes(view)
+
+
+def _whole_part(t: _Target, views: list) -> Any:
+    """A copy of the stored part that is all of target ``t``, as it is stored (an
+    ndarray or a CPU tensor); None when ``t`` is not one whole part (a slice, parts
+    of several ranks, or a part of another shape)."""
+    ops = t.plan.ops
+    if len(ops) != 1:
+        return None
+    pid, so, do, n, rows, _ss, _ds = ops[0]
+    v = views[t.slots[pid]]
+    if so or do or rows != 1 or n != t.plan.nbytes or tuple(v.shape) != t.shape:
+        return None
+    if t.kind == "torch":     # (a part some tier holds on a device is gathered to the host)
+        return v.clone() if v.device.type == "cpu" and v.dtype == getattr(_torch(), t.dtype) else None
+    return v.copy() if isinstance(v, np.ndarray) and v.dtype.str == t.dtype else None
+
+
+def _src_bytes(view: Any) -> np.ndarray:
+    """Flat uint8 numpy view of a decoded part (no copy)."""
+    if isinstance(view, np.ndarray):
+        return view.reshape(-1).view(np.uint8)
+    if view.numel() == 0:
+        return np.empty(0, np.uint8)
+    return view.reshape(-1).view(_torch().uint8).numpy()
+
+
 class _NoBar:
     def __enter__(self):
         return self
@@ -250,18 +289,20 @@ class WeightSubscriber:
         self._last_marker = got = (raw, marker)
         return got
 
-    def _snapshot(self, version: int) -> tuple[dict, _Compiled, list[str], list] | None:
-        """A whole-state fetch's marker and parts in one ``mget``, when ``version``'s
+    def _snapshot(self, version: int, plain: bool) -> tuple[dict, _Compiled, list[str], list] | None:
+        """A whole-state fetch's marker and parts in one read, when ``version``'s
         marker is the same bytes as the last whole fetch's (the same publishers of an
         unchanged model: same plan, same part keys after the version prefix); None
-        otherwise, and the caller reads the marker first."""
+        otherwise, and the caller reads the marker first.  The parts are read as
+        ``_read_parts`` does."""
         last = self._whole
         if last is None:
             return None
         raw, marker, c, suffixes = last
         keys = self.board.marker_and_part_keys(version, suffixes)
-        got = self.store.mget_raw(keys)
-        if got[0] is None or got[0][1] != raw:
+        got = _read_parts(self.store, keys, plain and c.needed < PREFAULT_MIN_BYTES)
+        m = got[0]                                     # (meta, bytes) read raw, else the value
+        if m is None or (m[1] if isinstance(m, tuple) else bytes(m)) != raw:
             return None
         return marker, c, keys[1:], got[1:]
 
@@ -370,7 +411,8 @@ class WeightSubscriber:
         """
         t0 = time.perf_counter()
         version = _check_version(version)
-        snap = self._snapshot(version) if layout is None and not self._remote else None
+        plain = not into and dtype is None
+        snap = self._snapshot(version, plain) if layout is None and not self._remote else None
         if snap is not None:
             marker, c, keys, views = snap
         else:
@@ -390,11 +432,12 @@ class WeightSubscriber:
         if self._remote:                               # parts on other machines: ranged reads
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
-            if views is None:     # one atomic, pinned snapshot of the stored bytes (nothing decoded)
-                views = self.store.mget_raw(keys)
+            decoded = plain and c.needed < PREFAULT_MIN_BYTES
+            if views is None:                          # one atomic, pinned snapshot
+                views = _read_parts(self.store, keys, decoded)
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
-            bufs = [np.frombuffer(v[1], np.uint8) for v in views if v is not None]   # (none is: checked)
+            bufs = None if decoded else [_stored_bytes(v) for v in views]
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
@@ -414,8 +457,16 @@ class WeightSubscriber:
             stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, self.name, version) as bar:
             for t in targets:
-                out[t.name] = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
-                                           into.get(t.name), dtype, stager)
+                got = None
+                if bufs is None:                       # a small state read decoded: views are set
+                    assert views is not None
+                    got = _whole_part(t, views)
+                    if got is None:
+                        bufs = [_src_bytes(v) for v in views]
+                if got is None:
+                    got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
+                                       into.get(t.name), dtype, stager)
+                out[t.name] = got
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
             if stager is not None:
