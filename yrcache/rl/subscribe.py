@@ -78,11 +78,6 @@ def _read_parts(store: TieredStore, keys: list[str], decoded: bool) -> list:
     return store.mget(keys) if decoded else store.mget_raw(keys)
 
 
-def _stored_bytes(view: Any) -> np.ndarray:
-    """Flat uint8 numpy view of what ``_read_parts`` returned for a part (no copy)."""
-    return np.frombuffer(view[1], np.uint8) if isinstance(view, tuple) else _src_bytes(view)
-
-
 def _whole_part(t: _Target, views: list) -> Any:
     """A copy of the stored part that is all of target ``t``, as it is stored (an
     ndarray or a CPU tensor); None when ``t`` is not one whole part (a slice, parts
@@ -437,7 +432,7 @@ class WeightSubscriber:
                 views = _read_parts(self.store, keys, decoded)
             if any(v is None for v in views):
                 raise KeyError(self._gone(version))
-            bufs = None if decoded else [_stored_bytes(v) for v in views]
+            bufs = None if decoded else [np.frombuffer(body, np.uint8) for _meta, body in views]
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
             # process that has not touched them would take a fault per 4 KiB).
