@@ -69,12 +69,16 @@ class _Compiled(NamedTuple):
     version_bytes: int   # bytes of everything stored for a version
 
 
+def _reads_decoded(c: _Compiled, plain: bool) -> bool:
+    """Whether a fetch of ``c`` reads decoded values: a state under 1 MiB fetched without
+    ``into``/``dtype`` (``plain``) does (small 1-D arrays are built in C, and a whole part
+    is then one ``copy()``); any other reads the stored bytes (``mget_raw``: a process's
+    first fetch of 122 parts spent 4 ms decoding them only to view them as bytes again)."""
+    return plain and c.needed < PREFAULT_MIN_BYTES
+
+
 def _read_parts(store: TieredStore, keys: list[str], decoded: bool) -> list:
-    """The parts of one fetch in one atomic, pinned read (None where one is gone).  A
-    large fetch reads the stored bytes (``mget_raw``: a process's first fetch of 122 parts
-    spent 4 ms decoding them into tensors only to view them as bytes again); a small one
-    without ``into``/``dtype`` reads decoded values (small 1-D arrays are built in C), and
-    a whole part is then one ``copy()``."""
+    """The parts of one fetch in one atomic, pinned read (None where one is gone)."""
     return store.mget(keys) if decoded else store.mget_raw(keys)
 
 
@@ -289,13 +293,13 @@ class WeightSubscriber:
         marker is the same bytes as the last whole fetch's (the same publishers of an
         unchanged model: same plan, same part keys after the version prefix); None
         otherwise, and the caller reads the marker first.  The parts are read as
-        ``_read_parts`` does."""
+        ``_reads_decoded`` says."""
         last = self._whole
         if last is None:
             return None
         raw, marker, c, suffixes = last
         keys = self.board.marker_and_part_keys(version, suffixes)
-        got = _read_parts(self.store, keys, plain and c.needed < PREFAULT_MIN_BYTES)
+        got = _read_parts(self.store, keys, _reads_decoded(c, plain))
         m = got[0]                                     # (meta, bytes) read raw, else the value
         if m is None or (m[1] if isinstance(m, tuple) else bytes(m)) != raw:
             return None
@@ -427,7 +431,7 @@ class WeightSubscriber:
         if self._remote:                               # parts on other machines: ranged reads
             targets, bufs, net = self._fetch_remote(c, version, marker, keys)
         else:
-            decoded = plain and c.needed < PREFAULT_MIN_BYTES
+            decoded = _reads_decoded(c, plain)
             if views is None:                          # one atomic, pinned snapshot
                 views = _read_parts(self.store, keys, decoded)
             if any(v is None for v in views):
@@ -505,8 +509,7 @@ class WeightSubscriber:
             if t.kind == "torch":
                 torch = _torch()
                 res = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
-                _run_plan(t.plan, srcs, res.view(-1).view(torch.uint8).numpy() if res.numel()
-                          else np.empty(0, np.uint8))
+                _run_plan(t.plan, srcs, codec.as_bytes_view(res))
                 return res if want is None or want == res.dtype else res.to(want)
             res = np.empty(t.shape, dtype=np.dtype(t.dtype))
             _run_plan(t.plan, srcs, res.reshape(-1).view(np.uint8))
