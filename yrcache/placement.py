@@ -163,9 +163,10 @@ class Placement:
 
     def put_many_small(self, batch: list, priority: int, expire_at: float) -> int:
         """Store small values in one lock hold; returns how many fit."""
-        self.make_room(sum(_overhead(kb, meta) + n for kb, meta, _, n in batch))
-        done, retired = self.a.mput_small(batch, priority, expire_at)
-        if any(retired[i].existed and retired[i].tier != TIER_DRAM for i in range(done)):
+        if self.moves:
+            self.make_room(sum(_overhead(kb, meta) + n for kb, meta, _, n in batch))
+        done, lower = self.a.mput_small(batch, priority, expire_at)
+        if lower:
             self.drain()
         return done
 

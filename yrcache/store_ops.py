@@ -206,12 +206,7 @@ class StoreOps:
                 self.put(k, v, tier=tier, priority=priority, ttl=ttl)
             else:
                 rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
-        small = [e for e in rest if e[3] <= SMALL_VALUE] if tier != Tier.SSD else []
-        done = self._placement.put_many_small(small, priority, expire_at) if small else 0
-        stored = {id(e) for e in small[:done]}
-        for e in rest:
-            if id(e) not in stored:
-                self._placement.put(e[0], e[1], e[2], e[3], priority, expire_at, tier)
+        self._put_rows(rest, priority, expire_at, tier, tier != Tier.SSD)
 
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
                  ttl: float | None = None, tier: Tier | None = None) -> None:
@@ -222,17 +217,27 @@ class StoreOps:
         self._check_open()
         t = self._check_tier(tier)
         expire_at, priority = _expire_at(ttl), _priority(priority)
-        rows = [(key_bytes(k), meta, payload, payload_nbytes(k, payload, n)) for k, meta, payload, n in entries]
-        for _, meta, _, n in rows:
+        rows = []
+        for k, meta, payload, n in entries:
+            n = payload_nbytes(k, payload, n)
             codec.check_header(meta, n)
+            rows.append((key_bytes(k), meta, payload, n))
+        batch = t in (None, Tier.DRAM) and self._placement.default_tier is None
+        self._put_rows(rows, priority, expire_at, None if t == Tier.HBM else t, batch)
+
+    def _put_rows(self, rows: list[tuple[bytes, bytes, Any, int]], priority: int, expire_at: float,
+                  tier: Tier | None, batch: bool) -> None:
+        """Store encoded ``(key bytes, meta, payload, nbytes)`` rows: with ``batch``, the
+        small ones under one hold of the arena lock (as many as fit), the rest one by one."""
         p = self._placement
-        batch = t in (None, Tier.DRAM) and p.default_tier is None
         small = [e for e in rows if e[3] <= SMALL_VALUE] if batch else []
         done = p.put_many_small(small, priority, expire_at) if small else 0
+        if done == len(rows):
+            return
         stored = {id(e) for e in small[:done]}
         for e in rows:
             if id(e) not in stored:
-                p.put(*e, priority, expire_at, None if t == Tier.HBM else t)
+                p.put(*e, priority, expire_at, tier)
 
     def mget_raw(self, keys: Iterable[str]) -> list[tuple[bytes, memoryview] | None]:
         """``get_raw`` of several keys, None where missing: when every object is in DRAM,

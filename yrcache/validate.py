@@ -48,6 +48,8 @@ def priority(priority: Any) -> int:
 def payload_nbytes(key: str, payload: Any, nbytes: Any) -> int:
     """Validate ``nbytes`` of an encoded payload (an int >= 0) and, when ``payload`` is a
     buffer rather than a fill function, that it holds exactly that many bytes."""
+    if type(nbytes) is int and type(payload) is bytes and len(payload) == nbytes:
+        return nbytes             # the common case (an encoded small value), one test
     if isinstance(nbytes, bool) or not hasattr(nbytes, "__index__") or operator.index(nbytes) < 0:
         raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
     nbytes = operator.index(nbytes)

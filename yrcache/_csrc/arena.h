@@ -170,11 +170,12 @@ int  yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const cha
             uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
             int populate, yr_retired *out);
 /* a batch of them (keys and metas packed back to back); returns how many were
- * stored (stops at the first that does not fit) */
+ * stored (stops at the first that does not fit); *lower: how many of those
+ * replaced an object held in a lower tier (whose bytes are to be freed) */
 int  yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
                    const char *metas, const uint32_t *mlens, const char **data,
                    const uint64_t *nbytes, uint32_t n, int64_t priority, double expire_at,
-                   yr_retired *out);
+                   yr_retired *out, uint32_t *lower);
 
 /* lookups (flags: YR_PIN, YR_QUIET) */
 int  yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags, yr_objinfo *out);

@@ -156,13 +156,15 @@ int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char
 int yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
                   const char *metas, const uint32_t *mlens, const char **data,
                   const uint64_t *nbytes, uint32_t n, int64_t priority, double expire_at,
-                  yr_retired *out) {
+                  yr_retired *out, uint32_t *lower) {
     hdr_t *h = H(base);
     if (lock(h)) return YR_ELOCK;
     uint32_t i = 0;
+    *lower = 0;
     for (; i < n; i++) {
         if (put_small_locked(h, slot, keys, klens[i], metas, mlens[i], data[i], nbytes[i], priority,
                              expire_at, &out[i]) != YR_OK) break;
+        *lower += out[i].existed && out[i].tier != YR_TIER_DRAM;
         keys += klens[i];
         metas += mlens[i];
     }

@@ -177,7 +177,8 @@ def _scratch():
     except AttributeError:
         small = ffi.new("char[]", SMALL_READ)
         _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"),
-                  ffi.new("yr_objinfo *"), small, ffi.new("char[]", MREAD_BYTES), ffi.buffer(small))
+                  ffi.new("yr_objinfo *"), small, ffi.new("char[]", MREAD_BYTES), ffi.buffer(small),
+                  ffi.new("uint32_t *"))
         return _tls.s
 
 
@@ -413,16 +414,15 @@ class Arena:
         check(rc, "put")
         return out
 
-    def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, Any]:
-        """Store (key, meta, payload, nbytes) entries in one lock hold, until one
-        does not fit: (how many were stored, what each replaced)."""
-        n = len(batch)
+    def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, int]:
+        """Store (key, meta, payload, nbytes) entries in one lock hold, until one does not
+        fit: (how many were stored, how many of those replaced one in a lower tier)."""
+        n, lower = len(batch), _scratch()[7]
         data = [ffi.from_buffer(p) if nb else ffi.NULL for _, _, p, nb in batch]
-        retired = ffi.new("yr_retired[]", n)
         done = lib.yr_mput_small(self.base, self.slot, b"".join(e[0] for e in batch), [len(e[0]) for e in batch],
                                  b"".join(e[1] for e in batch), [len(e[1]) for e in batch], data,
-                                 [e[3] for e in batch], n, priority, expire_at, retired)
-        return check(done, "mset"), retired
+                                 [e[3] for e in batch], n, priority, expire_at, ffi.new("yr_retired[]", n), lower)
+        return check(done, "mset"), lower[0]
 
     def get(self, kb: bytes, flags: int = PIN, info=None):
         """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing.
@@ -530,7 +530,7 @@ class Arena:
         while True:
             if alive is not None:
                 alive()
-            _, _, more, _, _, buf, _ = _scratch()      # parsed before we yield: reusable
+            _, _, more, _, _, buf = _scratch()[:6]      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
             check(n, "keys")
             raw, last = ffi.buffer(buf, size), not more[0]
