@@ -305,8 +305,9 @@ def test_a_replica_keeps_the_higher_version(harness):
 def test_a_batch_of_puts_keeps_each_keys_higher_version(harness):
     """An MPUT applies its small items at once; each still keeps the higher version,
     a refused item (a header that disagrees with its payload) does not stop the others,
-    a key twice in one batch ends at its newer version, and a large item in the
-    middle is received in its turn."""
+    a key twice in one batch ends at its newer version, a large item in the middle is
+    received in its turn, an item keeps its ttl, and a batch over 1 MiB (read item by
+    item, not whole) follows the same rules."""
     node = harness.start(1)[0]
     with harness.client(replicas=1) as c:
         harness.wait_members(c, 1)
@@ -333,8 +334,20 @@ def test_a_batch_of_puts_keeps_each_keys_higher_version(harness):
             # the newer write first, then an older one of the same key, in one batch
             assert peer.mput([("d", b"B", b"second", 6, (v[0] + 1, writer), 0, 0.0),
                               ("d", b"B", b"first", 5, v, 0, 0.0)]) == [tp.OK, tp.STALE]
+            # an item with a ttl or a priority keeps them
+            soon = time.time() + 0.5
+            assert peer.mput([("t", b"B", b"T", 1, v, 3, soon), ("u", b"B", b"U", 1, v, 0, 0.0)]) == [tp.OK, tp.OK]
+            # a batch over 1 MiB is read item by item, not whole: the same rules
+            chunk = np.arange(60_000, dtype=np.uint8)
+            many = [(f"m{i}", b"N;|u1;60000", chunk, chunk.nbytes, v, 0, 0.0) for i in range(20)]
+            many[3] = items[0]
+            statuses = peer.mput(many)
+            assert statuses[3] == tp.STALE and statuses.count(tp.OK) == 19, statuses
         finally:
             peer.close()
+        assert np.array_equal(c["m19"], chunk) and "m3" not in c
+        assert bytes(c["u"]) == b"U"
+        wait_for(lambda: c.get("t") is None, 5, "the item with a ttl to expire")
         assert bytes(c["old"]) == b"new" and bytes(c["a"]) == b"A" and bytes(c["b"]) == b"BB"
         assert bytes(c["e"]) == b"E" and bytes(c["f"]) == b"F"
         assert np.array_equal(c["big"], big) and c.get("bad") is None

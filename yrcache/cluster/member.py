@@ -67,7 +67,7 @@ class Node(tp.Handler):
 
     def current(self, key: str) -> Version | None:
         v = self.versions.get(key)
-        if v is None:
+        if v is None and self.tombs:
             t = self.tombs.get(key)
             return t[0] if t is not None else None
         return v
@@ -92,10 +92,11 @@ class Node(tp.Handler):
     def _applied(self, key: str, version: Version, flags: int) -> None:
         """Remember that ``key`` is stored here at ``version`` (under its lock)."""
         self.versions[key] = version
-        self.tombs.pop(key, None)
+        if self.tombs:
+            self.tombs.pop(key, None)
         if flags & tp.F_SINGLE:
             self.single.add(key)
-        else:
+        elif self.single:
             self.single.discard(key)
 
     def remove(self, key: str, version: Version) -> int:
@@ -140,6 +141,51 @@ class Node(tp.Handler):
             self.forwarder.add(f.key, f.version)
         return status
 
+    def put_many(self, items: list[tp.PutItem], flags: int) -> list[int]:
+        """The puts of one MPUT frame, each checked and applied as :meth:`put` does, under
+        the locks of all their keys at once (taken in index order, so never against
+        another batch), the clock advanced once for the batch."""
+        locks = [self._locks[i] for i in sorted({hash(it[0]) & 63 for it in items})]
+        out: list[int] = []
+        top = 0
+        plain = not flags >> tp.TIER_SHIFT
+        put_with, current, applied = self.local.put_with, self.current, self._applied
+        checked = (b"", -1)                     # the items of a batch mostly share a header
+        for lk in locks:
+            lk.acquire()
+        try:
+            for key, meta, payload, version, priority, expire_at in items:
+                try:
+                    if (meta, len(payload)) != checked:
+                        check_wire_meta(meta, len(payload))
+                        checked = (meta, len(payload))
+                    cur = current(key)
+                    if cur is not None and version <= cur:
+                        out.append(tp.SAME if version == cur else tp.STALE)
+                        continue
+                    if plain and not expire_at and not priority:
+                        put_with(key, meta, len(payload), payload)
+                    else:
+                        ttl, tier = _ttl_tier(expire_at, flags)
+                        put_with(key, meta, len(payload), payload, priority=priority, ttl=ttl, tier=tier)
+                    applied(key, version, flags)
+                except Exception as e:   # noqa: BLE001 - this item failed, the batch goes on
+                    out.append(tp.refused(f"put of {key[:80]!r}", e))
+                    continue
+                out.append(tp.OK)
+                if version[0] > top:
+                    top = version[0]
+        finally:
+            for lk in reversed(locks):
+                lk.release()
+        if top:
+            self.router.clock.observe(top)
+        if flags & tp.F_REPLICATE:
+            for it, status in zip(items, out):
+                if status == tp.OK:
+                    self.forwarder.add(it[0], it[3])
+        return out
+
     def get(self, f: tp.Frame):
         return self.read(f.key, f.offset, f.length)
 
@@ -148,9 +194,8 @@ class Node(tp.Handler):
             raw = self.local.mget_raw(keys)
         except TypeError:                     # a pickled object among them: key by key
             return super().get_many(keys)
-        versions = self.versions
-        return [None if r is None else tp.Got(r[0], r[1], versions.get(k, (0, 0)))
-                for k, r in zip(keys, raw)]
+        get, new, Got = self.versions.get, tuple.__new__, tp.Got
+        return [None if r is None else new(Got, (r[0], r[1], get(k, (0, 0)), -1)) for k, r in zip(keys, raw)]
 
     def delete(self, f: tp.Frame) -> int:
         return self.remove(f.key, f.version)

@@ -101,17 +101,21 @@ class Conn:
             body = bytearray(f.plen)
             self.rd.readinto(body)
             view = memoryview(body)
-            pos = 0
+            pos, size, unpack, new = 0, _GOT_ITEM.size, _GOT_ITEM.unpack_from, tuple.__new__
+            meta = b""                        # the items of a batch mostly share a header: one object
             for _ in range(n):
-                found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack_from(body, pos)
-                pos += _GOT_ITEM.size
+                found, mlen, nbytes, hlc, writer = unpack(body, pos)
+                pos += size
                 if not found:
                     out.append(None)
                     continue
-                if mlen > MAX_META or pos + mlen + nbytes > f.plen:
+                end = pos + mlen
+                if mlen > MAX_META or end + nbytes > f.plen:
                     raise ProtocolError("a bad item in an mget reply")
-                out.append(Got(bytes(view[pos:pos + mlen]), view[pos + mlen:pos + mlen + nbytes], (hlc, writer)))
-                pos += mlen + nbytes
+                if view[pos:end] != meta:
+                    meta = bytes(view[pos:end])
+                out.append(new(Got, (meta, view[end:end + nbytes], (hlc, writer), -1)))
+                pos = end + nbytes
             return out
         for _ in range(n):
             found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack(self.rd.take(_GOT_ITEM.size))
@@ -345,6 +349,9 @@ def put_frame(item: tuple[str, bytes, Any, int, tuple[int, int], int, float], fl
     return head + memoryview(payload).cast("B") if nbytes else head
 
 
+MPUT_BYTES = 1 << 20     # an MPUT frame's body is closed once it passes this
+
+
 def put_item(item: tuple[str, bytes, Any, int, tuple[int, int], int, float]) -> bytes:
     """One small put as an item of an MPUT frame's body (header, key, meta, payload)."""
     key, meta, payload, nbytes, version, priority, expire_at = item
@@ -363,6 +370,13 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
     if len(items) == 1 and items[0][3] <= SMALL:
         c.sock.sendall(frame if frame is not None else put_frame(items[0], flags))
         return [0]
+    if len(items) <= MAX_BATCH and all(it[3] <= SMALL for it in items):    # the common batch: one frame
+        recs = [put_item(it) for it in items] if packed is None else \
+            [packed.get(id(it)) or packed.setdefault(id(it), put_item(it)) for it in items]
+        body = b"".join(recs)
+        if len(body) <= MPUT_BYTES:
+            c.sock.sendall(pack(MPUT, plen=len(body), flags=flags, length=len(items)) + body)
+            return [len(items)]
     frames: list[int] = []
     out = bytearray()
     run = bytearray()
@@ -393,7 +407,7 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
                 packed[id(item)] = rec
         run += rec
         n += 1
-        if n >= MAX_BATCH or len(run) > (1 << 20):
+        if n >= MAX_BATCH or len(run) > MPUT_BYTES:
             close_run()
             c.sock.sendall(out)
             out = bytearray()

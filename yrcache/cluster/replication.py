@@ -96,6 +96,8 @@ def check_wire_meta(meta: bytes, nbytes: int) -> None:
 def decode(meta: bytes, buf: Any, nbytes: int) -> Any:
     """A value over a received (private) buffer: read-only like a local view, except a
     tensor, which torch needs writable (as the embedded store's small tensors)."""
+    if meta == b"B":                # bytes: what codec.decoder gives, without its lookups
+        return memoryview(buf).toreadonly()
     view = memoryview(buf)
     return codec.decoder(meta)(view if meta[:1] == b"T" else view.toreadonly(), nbytes)
 
@@ -357,9 +359,15 @@ class Router:
         first: dict[str, list[str]] = {}
         owners_of: dict[str, list[str]] = {}
         for k in keys:
-            m = _first(owners_of.setdefault(k, self.owners(k)), skip)
-            if m is not None:
-                first.setdefault(m, []).append(k)
+            owners = owners_of[k] = self.owners(k)
+            for m in owners:                  # a member this batch asks anyway: fewer round trips
+                if m in first and m != skip:
+                    first[m].append(k)
+                    break
+            else:
+                owner = _first(owners, skip)
+                if owner is not None:
+                    first.setdefault(owner, []).append(k)
         out, failed = self.mread(first)
         rest = [k for k in keys if out.get(k) is None]
         if rest:

@@ -378,27 +378,30 @@ class ClusterStore(NodeSharing, TieredStore):
         """Values of ``keys`` (None where missing): local ones zero-copy, the rest pipelined per owner."""
         self._check_open()
         keys = list(keys)
+        for k in keys:
+            key_bytes(k)
         out: list[Any] = [None] * len(keys)
         router = self._router
-        todo: list[int] = []
-        for i, k in enumerate(keys):
-            key_bytes(k)
-            v = self._local_get(k)
-            if v is not None:
-                out[i] = codec.private_copy(v) if copy else v
-                self._ops["hits"] += 1
-            else:
-                todo.append(i)
-        skip = router.member_id if self._local is not None else None     # (asked above)
-        got = router.mread_all([keys[i] for i in todo], skip=skip)
+        todo: list[int] | range = range(len(keys))
+        if self._local is not None and router.member_id in router.members:     # ours zero-copy
+            todo = []
+            for i, k in enumerate(keys):
+                v = self._local.get(k)
+                if v is None:
+                    todo.append(i)
+                else:
+                    out[i] = codec.private_copy(v) if copy else v
+        skip = router.member_id if self._local is not None else None
+        got = router.mread_all(keys if len(todo) == len(keys) else [keys[i] for i in todo], skip=skip)
+        hits = len(keys) - len(todo)
         for i in todo:
             g = got.get(keys[i])
-            if g is None:
-                self._ops["misses"] += 1
-            else:
-                self._ops["hits"] += 1
+            if g is not None:
                 v = decode(g.meta, g.buf, len(g.buf))
                 out[i] = codec.private_copy(v) if copy else v
+                hits += 1
+        self._ops["hits"] += hits
+        self._ops["misses"] += len(keys) - hits
         return out
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:

@@ -36,12 +36,13 @@ from typing import Any
 from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
     _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
     GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
-    PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, Reader,
+    PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, PutItem, Reader,
     RemoteError, Span, alloc, check_spans, decode_entries, decode_spans, encode_entries, encode_spans, gather, gather_into, is_loopback, pack, proof,
-    read_frame, recv_exact, send_parts, spans_nbytes, split_address)
+    parse_mput, read_frame, recv_exact, send_parts, spans_nbytes, split_address)
 from .peer import RECEIVED, Conn, Peer, put_frame, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
 log = logging.getLogger(__name__)
+_MISSING = _GOT_ITEM.pack(0, 0, 0, 0, 0)      # an MGET reply's item for a key not held here
 RUN_BYTES = 1 << 20      # small puts of an MPUT held in memory before they are applied
 
 
@@ -59,14 +60,16 @@ class Handler:
         ``skip()`` instead, to drop the payload)."""
         raise NotImplementedError
 
-    def put_many(self, items: list[tuple[Frame, bytes]]) -> list[int]:
-        """Store several small puts (each frame with its payload); a status each."""
+    def put_many(self, items: list[PutItem], flags: int) -> list[int]:
+        """Store several puts held in memory (the items of one MPUT frame, whose
+        ``flags`` they share); a status each."""
         out = []
-        for f, payload in items:
+        for key, meta, payload, version, priority, expire_at in items:
+            f = Frame(PUT, flags, 0, key, meta, len(payload), version, priority, expire_at, 0, 0)
             try:
                 out.append(self.put(f, payload, _nothing))
             except Exception as e:   # noqa: BLE001 - this item failed, the batch goes on
-                out.append(refused(f"put of {f.key[:80]!r}", e))
+                out.append(refused(f"put of {key[:80]!r}", e))
         return out
 
     def get(self, f: Frame) -> Got | None:
@@ -290,14 +293,20 @@ class Server:
             skip()
 
     def _mput(self, rd: Reader, f: Frame, out: list[Any]) -> None:
-        """Apply a batch of puts; the reply's body is one status byte per item. Runs of
-        small items go to the handler's ``put_many`` at once; a large one is received
-        straight into its destination, in its turn."""
+        """Apply a batch of puts; the reply's body is one status byte per item. A body of
+        at most ``RUN_BYTES`` is read and parsed whole and goes to the handler's
+        ``put_many`` at once; a larger one is read item by item, runs of small items
+        handed on together and a large one received straight into its destination."""
         if f.length > MAX_BATCH:
             raise ProtocolError(f"an mput of {f.length} items (at most {MAX_BATCH})")
+        if f.plen <= RUN_BYTES:
+            whole = bytearray(f.plen)
+            rd.readinto(whole)
+            out.append(pack(MPUT, plen=f.length) + self._put_run(parse_mput(whole, f.length), f.flags))
+            return
         left = f.plen
         statuses = bytearray()
-        run: list[tuple[Frame, bytes]] = []
+        run: list[PutItem] = []
         held = 0
         for _ in range(f.length):
             if left < _PUT_ITEM.size:
@@ -311,17 +320,17 @@ class Server:
             except UnicodeDecodeError:
                 raise ProtocolError("a frame's key is not UTF-8") from None
             left -= _PUT_ITEM.size + klen + mlen + nbytes
-            item = Frame(PUT, f.flags, 0, key, body[klen:], nbytes, (hlc, writer), priority, expire_at, 0, 0)
             if nbytes <= SMALL:
-                run.append((item, bytes(rd.take(nbytes))))
+                run.append((key, body[klen:], bytes(rd.take(nbytes)), (hlc, writer), priority, expire_at))
                 held += nbytes
                 if held < RUN_BYTES:
                     continue
-            statuses += self._put_run(run)
+            statuses += self._put_run(run, f.flags)
             run, held = [], 0
             if nbytes > SMALL:
+                item = Frame(PUT, f.flags, 0, key, body[klen:], nbytes, (hlc, writer), priority, expire_at, 0, 0)
                 statuses.append(self._put_item(rd, item))
-        statuses += self._put_run(run)
+        statuses += self._put_run(run, f.flags)
         if left:
             raise ProtocolError(f"an mput body with {left} bytes after its items")
         out.append(pack(MPUT, plen=len(statuses)) + statuses)
@@ -334,12 +343,12 @@ class Server:
         except Exception as e:      # noqa: BLE001 - this item failed, the batch goes on
             return refused(f"put of {item.key[:80]!r}", e)
 
-    def _put_run(self, run: list[tuple[Frame, bytes]]) -> bytes:
-        """The statuses of a run of small puts, applied by the handler at once."""
+    def _put_run(self, run: list[PutItem], flags: int) -> bytes:
+        """The statuses of a run of puts held in memory, applied by the handler at once."""
         if not run:
             return b""
         try:
-            return bytes(self.handler.put_many(run))
+            return bytes(self.handler.put_many(run, flags))
         except Exception as e:      # noqa: BLE001 - the batch failed as a whole
             return bytes([refused(f"an mput of {len(run)} items", e)]) * len(run)
 
@@ -351,15 +360,16 @@ class Server:
         if len(keys) > MAX_BATCH:
             raise ProtocolError(f"an mget of {len(keys)} keys (at most {MAX_BATCH})")
         parts: list[Any] = []
-        total = 0
+        total, size, item = 0, _GOT_ITEM.size, _GOT_ITEM.pack
         for got in self.handler.get_many([k for k, _ in keys]):
             if got is None:
-                parts.append(_GOT_ITEM.pack(0, 0, 0, 0, 0))
-                total += _GOT_ITEM.size
+                parts.append(_MISSING)
+                total += size
                 continue
-            view = memoryview(got.buf).cast("B")
-            parts.append(_GOT_ITEM.pack(1, len(got.meta), view.nbytes, got.version[0], got.version[1]) + got.meta)
+            meta, buf, (hlc, writer) = got[0], got[1], got[2]
+            view = buf if buf.__class__ is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+            parts.append(item(1, len(meta), view.nbytes, hlc, writer) + meta)
             parts.append(view)
-            total += _GOT_ITEM.size + len(got.meta) + view.nbytes
+            total += size + len(meta) + view.nbytes
         out.append(pack(MGET, plen=total, length=len(keys)))
         out.extend(parts)                       # views of the pinned values, sent by send_parts

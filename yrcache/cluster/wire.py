@@ -286,6 +286,36 @@ def alloc(n: int) -> Any:
     return bytearray(n) if n < RecvPool.STEP else POOL.take(n)
 
 
+#: One put of an MPUT as the server hands it on: key, meta, payload, version, priority, expire_at.
+PutItem = tuple[str, bytes, bytes, tuple[int, int], int, float]
+
+
+def parse_mput(body: bytes | bytearray, n: int) -> list[PutItem]:
+    """The ``n`` items of an MPUT body held in memory whole (a ``ProtocolError`` if they
+    do not fill it exactly or one breaks a limit); payloads are copied out of ``body``."""
+    view = memoryview(body)
+    out: list[PutItem] = []
+    pos, end, size, unpack = 0, len(body), _PUT_ITEM.size, _PUT_ITEM.unpack_from
+    for _ in range(n):
+        if pos + size > end:
+            raise ProtocolError("an mput body shorter than its items")
+        klen, mlen, nbytes, hlc, writer, priority, expire_at = unpack(body, pos)
+        pos += size
+        if klen > MAX_KEY or mlen > MAX_META or pos + klen + mlen + nbytes > end:
+            raise ProtocolError("an mput item overruns its frame")
+        try:
+            key = str(view[pos:pos + klen], "utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError("a frame's key is not UTF-8") from None
+        pos += klen + mlen
+        out.append((key, bytes(view[pos - mlen:pos]), bytes(view[pos:pos + nbytes]), (hlc, writer),
+                    priority, expire_at))
+        pos += nbytes
+    if pos != end:
+        raise ProtocolError(f"an mput body with {end - pos} bytes after its items")
+    return out
+
+
 def encode_entries(entries: Iterable[tuple[str, tuple[int, int]]]) -> bytes:
     """``[(key, (hlc, writer))]`` -> the body of a KEYS reply or a HAVE request."""
     out = bytearray()
