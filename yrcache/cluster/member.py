@@ -78,15 +78,25 @@ class Node(tp.Handler):
         is the payload (a buffer) or a callable that writes it (``put_with``);
         ``flags``: the frame's (single copy, tier hint)."""
         with self.lock(key):
-            cur = self.current(key)
-            if cur is not None and version <= cur:
-                if skip is not None:
-                    skip()
-                return tp.SAME if version == cur else tp.STALE
+            status = self._apply_locked(key, meta, nbytes, fill, version, priority, expire_at, skip, flags)
+        if status == tp.OK:
+            self.router.clock.observe(version[0])
+        return status
+
+    def _apply_locked(self, key: str, meta: bytes, nbytes: int, fill: Any, version: Version,
+                      priority: int, expire_at: float, skip: Callable[[], None] | None, flags: int) -> int:
+        """``apply`` with ``key``'s lock held (the clock left to the caller)."""
+        cur = self.current(key)
+        if cur is not None and version <= cur:
+            if skip is not None:
+                skip()
+            return tp.SAME if version == cur else tp.STALE
+        if expire_at or priority or flags >> tp.TIER_SHIFT:
             ttl, tier = _ttl_tier(expire_at, flags)
             self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl, tier=tier)
-            self._applied(key, version, flags)
-        self.router.clock.observe(version[0])
+        else:
+            self.local.put_with(key, meta, nbytes, fill)
+        self._applied(key, version, flags)
         return tp.OK
 
     def _applied(self, key: str, version: Version, flags: int) -> None:
@@ -148,32 +158,18 @@ class Node(tp.Handler):
         locks = [self._locks[i] for i in sorted({hash(it[0]) & 63 for it in items})]
         out: list[int] = []
         top = 0
-        plain = not flags >> tp.TIER_SHIFT
-        put_with, current, applied = self.local.put_with, self.current, self._applied
-        checked = (b"", -1)                     # the items of a batch mostly share a header
         for lk in locks:
             lk.acquire()
         try:
             for key, meta, payload, version, priority, expire_at in items:
                 try:
-                    if (meta, len(payload)) != checked:
-                        check_wire_meta(meta, len(payload))
-                        checked = (meta, len(payload))
-                    cur = current(key)
-                    if cur is not None and version <= cur:
-                        out.append(tp.SAME if version == cur else tp.STALE)
-                        continue
-                    if plain and not expire_at and not priority:
-                        put_with(key, meta, len(payload), payload)
-                    else:
-                        ttl, tier = _ttl_tier(expire_at, flags)
-                        put_with(key, meta, len(payload), payload, priority=priority, ttl=ttl, tier=tier)
-                    applied(key, version, flags)
+                    check_wire_meta(meta, len(payload))
+                    status = self._apply_locked(key, meta, len(payload), payload, version, priority, expire_at,
+                                                None, flags)
                 except Exception as e:   # noqa: BLE001 - this item failed, the batch goes on
-                    out.append(tp.refused(f"put of {key[:80]!r}", e))
-                    continue
-                out.append(tp.OK)
-                if version[0] > top:
+                    status = tp.refused(f"put of {key[:80]!r}", e)
+                out.append(status)
+                if status == tp.OK and version[0] > top:
                     top = version[0]
         finally:
             for lk in reversed(locks):

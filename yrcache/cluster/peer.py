@@ -370,13 +370,6 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
     if len(items) == 1 and items[0][3] <= SMALL:
         c.sock.sendall(frame if frame is not None else put_frame(items[0], flags))
         return [0]
-    if len(items) <= MAX_BATCH and all(it[3] <= SMALL for it in items):    # the common batch: one frame
-        recs = [put_item(it) for it in items] if packed is None else \
-            [packed.get(id(it)) or packed.setdefault(id(it), put_item(it)) for it in items]
-        body = b"".join(recs)
-        if len(body) <= MPUT_BYTES:
-            c.sock.sendall(pack(MPUT, plen=len(body), flags=flags, length=len(items)) + body)
-            return [len(items)]
     frames: list[int] = []
     out = bytearray()
     run = bytearray()

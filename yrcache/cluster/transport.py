@@ -367,7 +367,7 @@ class Server:
                 total += size
                 continue
             meta, buf, (hlc, writer) = got[0], got[1], got[2]
-            view = buf if buf.__class__ is memoryview and buf.format == "B" else memoryview(buf).cast("B")
+            view = memoryview(buf).cast("B")
             parts.append(item(1, len(meta), view.nbytes, hlc, writer) + meta)
             parts.append(view)
             total += size + len(meta) + view.nbytes
