@@ -209,9 +209,8 @@ def build_rows(doc: dict, nkeys: int) -> list[dict]:
         first = f["first"]
         rows.append(row(f"{n} subscribers: first version, last woken / last fetched",
                         f"{first['woken_last'] * 1e3:.2f} / {first['fetched_last'] * 1e3:.2f} ms",
-                        "<= 3x steady" if at64 else None,
-                        (first["woken_last"] <= 3 * max(wl, 0.010) and first["fetched_last"] <= 3 * max(fl, 0.015))
-                        if at64 else None))
+                        "<= 30 / 45 ms (3x 10 / 15)" if at64 else None,
+                        (first["woken_last"] <= 0.030 and first["fetched_last"] <= 0.045) if at64 else None))
     for n, f in doc.get("wake_only", {}).items():
         wl = float(np.median([r["woken_last"] for r in f["steady"]]))
         rows.append(row(f"{n} subscribers that only wake (no fetch): last woken, the floor of the rows above",

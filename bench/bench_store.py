@@ -333,20 +333,32 @@ def bench_put(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
             inner = put_inner(size, "yr")
             src = payload(size, seed=size)
             dst = np.zeros(size, dtype=np.uint8)
+            # An overwrite writes a new block (readers may hold the old one), so a put
+            # of the same key alternates between two blocks: the same copy into two
+            # alternating buffers is its floor where one buffer stays in cache (info).
+            pair = [dst, np.zeros(size, dtype=np.uint8)] if size <= 64 * MiB else None
             key = f"put/{size}"
             # warm-up: both destinations resident, code paths hot
             for _ in range(2 if size >= 64 * MiB else 3):
                 copyto(dst, src)
+                if pair:
+                    copyto(pair[1], src)
                 put(key, src)
-            t_copy, t_put = [], []
+            t_copy, t_put, t_pair = [], [], []
             for r in range(reps):
-                order = ("copyto", "yr") if r % 2 == 0 else ("yr", "copyto")
+                order = ("copyto", "yr", "pair") if r % 2 == 0 else ("pair", "yr", "copyto")
                 for which in order:
                     if which == "copyto":
                         t0 = pc()
                         for _ in range(inner):
                             copyto(dst, src)
                         t_copy.append((pc() - t0) / inner)
+                    elif which == "pair":
+                        if pair:
+                            t0 = pc()
+                            for i in range(inner):
+                                copyto(pair[i & 1], src)
+                            t_pair.append((pc() - t0) / inner)
                     else:
                         t0 = pc()
                         for _ in range(inner):
@@ -395,6 +407,9 @@ def bench_put(cfg: Config, cleanup: U.Cleanup, res: dict) -> None:
                 raise RuntimeError(f"put {U.fmt_size(size)}: the stored value differs from the source")
             store.delete(key)
             out[size] = {"yr": t_put, "copyto": t_copy, "inner": inner}
+            if t_pair:
+                out[size]["copyto2"] = t_pair
+            del pair
             log(f"put {U.fmt_size(size):>7}: yrcache med {U.fmt_ns(U.median(t_put))} "
                 f"({U.fmt_bw(size, U.median(t_put))}), copyto med {U.fmt_ns(U.median(t_copy))} "
                 f"({U.fmt_bw(size, U.median(t_copy))})")
@@ -618,7 +633,8 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
         yr_med, yr_best = U.median(e["yr"]), min(e["yr"])
         yr_cell = f"{U.fmt_ns(yr_med)} = {U.fmt_bw(size, yr_med)} (best {U.fmt_bw(size, yr_best)})"
         name = f"put {U.fmt_size(size)}"
-        for kind, label in (("copyto", "np.copyto"), ("shm", "SharedMemory+pickle"), ("pipe", "Pipe+ack")):
+        for kind, label in (("copyto", "np.copyto"), ("copyto2", "np.copyto into 2 alternating buffers (info)"),
+                            ("shm", "SharedMemory+pickle"), ("pipe", "Pipe+ack")):
             if kind not in e:
                 continue
             b_med, b_best = U.median(e[kind]), min(e[kind])
