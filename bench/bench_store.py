@@ -528,7 +528,7 @@ def bench_small(cfg: Config, cleanup: U.Cleanup, res: dict, server: PipeServer) 
     out = res.setdefault("small", {"yr_put": [], "yr_get": []})
     n, rounds = cfg.small_n, cfg.small_rounds
     value = payload(1 * KiB, seed=1)
-    dram = rounds * n * 2 * KiB + 64 * MiB
+    dram = rounds * n * 4 * KiB + 64 * MiB     # single puts, then as many in batches
     store, h = new_store(cleanup, dram, "small")
     try:
         put, get = store.put, store.get
@@ -553,6 +553,23 @@ def bench_small(cfg: Config, cleanup: U.Cleanup, res: dict, server: PipeServer) 
             out["yr_get"].append(n / ((t2 - t1) / 1e9))
             log(f"1 KiB x {n}: yrcache round {r + 1}: {U.fmt_rate(out['yr_put'][-1], 'puts/s')}, "
                 f"{U.fmt_rate(out['yr_get'][-1], 'gets/s')}")
+        # the same values in batches of 100 (mset / mget), keys per second, against the single
+        # puts and gets above (info: what a batch saves per key)
+        for r in range(rounds):
+            batches = [[f"b{r}/{j:05d}/{i:03d}" for i in range(100)] for j in range(n // 100)]
+            rows = [[(k, value) for k in b] for b in batches]
+            t0 = pc()
+            for items in rows:
+                store.mset(items)
+            t1 = pc()
+            for b in batches:
+                vs = store.mget(b)
+            t2 = pc()
+            del vs
+            out.setdefault("yr_mset", []).append(n // 100 * 100 / ((t1 - t0) / 1e9))
+            out.setdefault("yr_mget", []).append(n // 100 * 100 / ((t2 - t1) / 1e9))
+        if not np.array_equal(store.get(batches[-1][-1]), value):
+            raise RuntimeError("1 KiB values in batches: stored value differs")
         # the same gets over a working set that stays in the caches and the TLB (1,000 keys
         # read n times in all): what a get costs apart from the memory system
         few = keys[:1000] * max(1, n // 1000)
@@ -700,6 +717,14 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
                 row(f"1 KiB {op}s, one process, vs {label}", yr_cell,
                     f"{U.fmt_rate(b, op + 's/s')} (n={sm.get('base_n')})", yr_med / b, target, ok,
                     yr_per_s=yr_med, base_per_s=b, yr_rounds=sm[f"yr_{op}"])
+
+    for op in ("put", "get"):
+        if sm.get(f"yr_m{op}"):
+            yr_med, b_med = U.median(sm[f"yr_m{op}"]), U.median(sm[f"yr_{op}"])
+            name = "mset" if op == "put" else "mget"
+            row(f"1 KiB values in {name}s of 100, one process, vs single {op}s (info)",
+                f"{U.fmt_rate(yr_med, 'keys/s')} (best {U.fmt_rate(max(sm[f'yr_m{op}']), '')})".replace(" )", ")"),
+                f"{U.fmt_rate(b_med, op + 's/s')}", yr_med / b_med, yr_per_s=yr_med, base_per_s=b_med)
 
     if sm.get("yr_get_few"):
         few = U.median(sm["yr_get_few"])

@@ -66,6 +66,22 @@ def test_expiry_found_by_a_lookup_frees_the_disk_copy(make_store, tmp_path):
     s.check()
 
 
+@pytest.mark.parametrize("how", ["mset", "mput_raw"])
+def test_a_batch_over_disk_objects_frees_their_copies_at_once(make_store, tmp_path, how):
+    s = make_store(dram="4MiB", ssd=tmp_path / "ssd")
+    for i in range(3):
+        s.put(f"k{i}", np.ones(100 * KiB, np.uint8), tier=Tier.SSD)
+    assert s._disk.used == 300 * KiB
+    if how == "mset":
+        s.mset({f"k{i}": b"small" for i in range(3)})
+    else:
+        s.mput_raw([(f"k{i}", b"B", b"small", 5) for i in range(3)])
+    assert [bytes(s.get(f"k{i}")) for i in range(3)] == [b"small"] * 3
+    assert all(s.tier_of(f"k{i}") == Tier.DRAM for i in range(3))
+    assert s._disk.used == 0, "the disk copies the batch replaced are still held"
+    s.check()
+
+
 # --------------------------------------------------------------- placement
 
 

@@ -12,7 +12,7 @@ class HotPath:
     """A weak reference to the Arena that owns the mapping (the views ``get`` builds hold it)."""
 
     def __init__(self, *addresses_base_max_key_cap: int) -> None:
-        """HotPath(read, put, mread, unpin, base, max_key, cap): C function and mapping addresses."""
+        """HotPath(read, put, mread, unpin, mput, base, max_key, cap): C function and mapping addresses."""
     def mread(self, keys: list, /) -> list | Literal[False]:
         """Per key None, (data, meta_len) or (meta, payload_off, nbytes, pin, block), in one
         lock hold; False: take the general path (nothing is pinned then)."""
@@ -38,6 +38,11 @@ class HotPath:
         unless it is None (16 headers, the oldest replaced)."""
     def put(self, key: Any, meta: bytes, payload: Any, prefaulted: bool, /) -> bool:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
+    def mput(self, rows: list, priority: int, expire_at: float, /) -> tuple[int, int] | int:
+        """Rows of (key bytes, header, payload buffer, nbytes), validated by the caller, stored
+        in DRAM in one lock hold until one does not fit: (stored, how many replaced a
+        lower-tier copy); or the arena's negative error code. TypeError/ValueError for a
+        row that is not of that form, or a mapping closed or without this process's slot."""
     def put_value(self, key: Any, value: Any, prefaulted: bool, /) -> bool | None:
         """``put`` of bytes, a bytearray or a C-contiguous ndarray of a learned layout, the
         header found in C; None: an ndarray whose layout is not learned yet (encode it, then

@@ -41,20 +41,21 @@ static void HotPath_dealloc(HotPath *self) {
 }
 
 static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
-    unsigned long long read, put, mread, unpin, base;
+    unsigned long long read, put, mread, unpin, mput, base;
     Py_ssize_t max_key;
     unsigned int cap;
-    static char *kwlist[] = {"read", "put", "mread", "unpin", "base", "max_key", "cap", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKKKnI", kwlist, &read, &put, &mread, &unpin, &base,
+    static char *kwlist[] = {"read", "put", "mread", "unpin", "mput", "base", "max_key", "cap", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KKKKKKnI", kwlist, &read, &put, &mread, &unpin, &mput, &base,
                                      &max_key, &cap))
         return -1;
-    if (!read || !put || !mread || !unpin || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
-        PyErr_SetString(PyExc_ValueError, "HotPath(read, put, mread, unpin, base, max_key, cap): "
+    if (!read || !put || !mread || !unpin || !mput || !base || max_key <= 0 || cap == 0 || cap > CAP_MAX) {
+        PyErr_SetString(PyExc_ValueError, "HotPath(read, put, mread, unpin, mput, base, max_key, cap): "
                                           "addresses must be set, max_key > 0 and 0 < cap <= 8192");
         return -1;
     }
     self->mread = (__typeof__(&yr_mread))(uintptr_t)mread;
     self->unpin = (__typeof__(&yr_unpin))(uintptr_t)unpin;
+    self->mput = (__typeof__(&yr_mput_small))(uintptr_t)mput;
     self->read = (__typeof__(&yr_read))(uintptr_t)read;
     self->slot = 0;
     self->put = (__typeof__(&yr_put))(uintptr_t)put;
@@ -238,6 +239,89 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
+/* mput(rows, priority, expire_at): rows of (key bytes, meta bytes, payload, nbytes), keys
+ * and headers validated by the caller, each payload one contiguous buffer of exactly nbytes,
+ * stored in DRAM in one hold of the arena lock until one does not fit: (stored, how many of
+ * those replaced a lower-tier copy), or the arena's (negative) error code. */
+static PyObject *HotPath_mput(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "mput(rows: list, priority: int, expire_at: float)");
+        return NULL;
+    }
+    long long priority = PyLong_AsLongLong(args[1]);
+    double expire_at = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    if (!self->base || !self->slot) {
+        PyErr_SetString(PyExc_ValueError, "mput: the arena is closed, or this process has no slot in it yet");
+        return NULL;
+    }
+    PyObject *rows = args[0], *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rows), got = 0;     /* got: buffers held */
+    size_t ktotal = 0, mtotal = 0;
+    uint32_t *klens = PyMem_Malloc(2 * (size_t)n * sizeof(uint32_t) + 1);
+    uint64_t *nbytes = PyMem_Malloc((size_t)n * sizeof(uint64_t) + 1);
+    const char **data = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
+    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
+    yr_retired *retired = PyMem_Malloc((size_t)n * sizeof(yr_retired) + 1);
+    char *keys = NULL, *metas = NULL;
+    if (!klens || !nbytes || !data || !views || !retired) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint32_t *mlens = klens + n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 0))
+            || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 1)) || !PyLong_CheckExact(PyTuple_GET_ITEM(row, 3))) {
+            PyErr_Format(PyExc_TypeError, "mput: row %zd is not (key: bytes, meta: bytes, payload, nbytes: int)", i);
+            goto done;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(row, 2), &views[i], PyBUF_SIMPLE) < 0) goto done;
+        got = i + 1;
+        long long nb = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 3));
+        if (nb != (long long)views[i].len) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "mput: row %zd says %lld bytes, its payload has %zd", i, nb,
+                             views[i].len);
+            goto done;
+        }
+        klens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 0));
+        mlens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 1));
+        ktotal += klens[i];
+        mtotal += mlens[i];
+        nbytes[i] = (uint64_t)nb;
+        data[i] = nb ? (const char *)views[i].buf : NULL;
+    }
+    keys = PyMem_Malloc(ktotal + 1);
+    metas = PyMem_Malloc(mtotal + 1);
+    if (!keys || !metas) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0, k = 0, m = 0; i < n; k += klens[i], m += mlens[i], i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        memcpy(keys + k, PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0)), klens[i]);
+        memcpy(metas + m, PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 1)), mlens[i]);
+    }
+    int stored;
+    uint32_t lower = 0;
+    Py_BEGIN_ALLOW_THREADS
+    stored = self->mput(self->base, self->slot, keys, klens, metas, mlens, data, nbytes, (uint32_t)n,
+                        (int64_t)priority, expire_at, retired, &lower);
+    Py_END_ALLOW_THREADS
+    out = stored < 0 ? PyLong_FromLong(stored) : Py_BuildValue("(iI)", stored, lower);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(klens);
+    PyMem_Free(nbytes);
+    PyMem_Free(data);
+    PyMem_Free(views);
+    PyMem_Free(retired);
+    PyMem_Free(keys);
+    PyMem_Free(metas);
+    return out;
+}
+
 static PyObject *HotPath_flat(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyBytes_CheckExact(args[0]) || !PyLong_Check(args[2])) {
         PyErr_SetString(PyExc_TypeError, "flat(meta: bytes, dtype, itemsize: int, frombuffer)");
@@ -304,6 +388,10 @@ static PyMethodDef HotPath_methods[] = {
     {"put", (PyCFunction)(void (*)(void))HotPath_put, METH_FASTCALL,
      "put(key, meta, payload, prefaulted) -> bool: a payload stored in DRAM with priority 0 "
      "and no ttl, or False (take the general path)."},
+    {"mput", (PyCFunction)(void (*)(void))HotPath_mput, METH_FASTCALL,
+     "mput(rows, priority, expire_at) -> (stored, lower) | error code: rows of (key bytes, meta, "
+     "payload, nbytes) stored in DRAM in one lock hold until one does not fit, and how many of them "
+     "replaced a lower-tier copy; or the arena's negative error code."},
     {"put_value", (PyCFunction)(void (*)(void))HotPath_put_value, METH_FASTCALL,
      "put_value(key, value, prefaulted) -> True | None | False: put() of bytes, a bytearray or a "
      "C-contiguous ndarray of a learned layout, its header found here; None: an ndarray layout "

@@ -44,6 +44,7 @@ typedef struct {
     __typeof__(&yr_put) put;
     __typeof__(&yr_mread) mread;
     __typeof__(&yr_unpin) unpin;
+    __typeof__(&yr_mput_small) mput;
     void *base;
     unsigned int slot;
     Py_ssize_t max_key;

@@ -42,7 +42,8 @@ ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPI
           lib.YR_ESTATE: "unexpected object state", lib.YR_ETOOBIG: "object larger than the arena",
           lib.YR_EBUFFER: "buffer too small", lib.YR_ECHANGED: "the object changed"}
 _NO_ROOM = (lib.YR_ENOSPC, lib.YR_ETOOBIG)
-_HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read", "yr_put", "yr_mread", "yr_unpin"))
+_HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_read", "yr_put", "yr_mread", "yr_unpin",
+                                                                       "yr_mput_small"))
 
 
 def check(rc: int, what: str) -> int:
@@ -177,8 +178,7 @@ def _scratch():
     except AttributeError:
         small = ffi.new("char[]", SMALL_READ)
         _tls.s = (ffi.new("yr_desc *"), ffi.new("yr_retired *"), ffi.new("uint64_t *"),
-                  ffi.new("yr_objinfo *"), small, ffi.new("char[]", MREAD_BYTES), ffi.buffer(small),
-                  ffi.new("uint32_t *"))
+                  ffi.new("yr_objinfo *"), small, ffi.new("char[]", MREAD_BYTES), ffi.buffer(small))
         return _tls.s
 
 
@@ -415,14 +415,11 @@ class Arena:
         return out
 
     def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, int]:
-        """Store (key, meta, payload, nbytes) entries in one lock hold, until one does not
-        fit: (how many were stored, how many of those replaced one in a lower tier)."""
-        n, lower = len(batch), _scratch()[7]
-        data = [ffi.from_buffer(p) if nb else ffi.NULL for _, _, p, nb in batch]
-        done = lib.yr_mput_small(self.base, self.slot, b"".join(e[0] for e in batch), [len(e[0]) for e in batch],
-                                 b"".join(e[1] for e in batch), [len(e[1]) for e in batch], data,
-                                 [e[3] for e in batch], n, priority, expire_at, ffi.new("yr_retired[]", n), lower)
-        return check(done, "mset"), lower[0]
+        """Store (key, meta, payload, nbytes) rows, each payload one contiguous buffer of nbytes, in
+        one lock hold until one does not fit: (how many were stored, how many replaced a lower tier's)."""
+        _ = self.slot                    # a forked child takes its own slot first (the C call needs it)
+        got = self.hot.mput(batch, priority, expire_at)     # one C call, no cffi marshalling
+        return got if isinstance(got, tuple) else (check(got, "mset"), 0)
 
     def get(self, kb: bytes, flags: int = PIN, info=None):
         """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing.
