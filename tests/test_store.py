@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import resource
 import threading
@@ -15,7 +16,7 @@ from store_suite import StoreSuite  # noqa: E402
 
 from yrcache import Tier, TieredStore  # noqa: E402
 from yrcache.errors import UntrustedStoreError  # noqa: E402
-from procs import drop_failed_test_locals  # noqa: E402
+from procs import drop_failed_test_locals, finish, start  # noqa: E402
 
 # Every test ends with gc.collect() (conftest's store_name); with torch loaded
 # that walks ~10^6 long-lived objects, ~0.1-0.2 s a test.  Move what is alive
@@ -511,3 +512,31 @@ def test_prefault_maps_the_pages_of_a_value_in_one_call(make_store, created_pref
         assert bytes(t.get("w")[-3:]) == b"\x07\x07\x07"
     finally:
         t.close()
+
+
+def _large_puts_round_trip(name: str) -> list[int]:
+    """In a fresh process: large puts of odd lengths from unaligned sources, enough of
+    each size class that its first copies (timed, both ways) and the later ones (the
+    way chosen) all run; the sizes whose stored bytes differ."""
+    s = TieredStore.attach(name)
+    bad = []
+    try:
+        for n in ((9 << 20) + 5, (130 << 20) + 7):
+            for i in range(6):    # unaligned, and a tail after the last 64-byte line of each length
+                a = np.random.default_rng(i).integers(0, 255, n + 11 * i + 3, dtype=np.uint8)[3:]
+                s.put("big", a)
+                v = s.get("big")
+                if not np.array_equal(v, a):
+                    bad.append(n)
+                del v
+    finally:
+        s.close()
+    return bad
+
+
+def test_large_puts_store_exact_bytes_whichever_way_the_copy_goes(make_store, store_name):
+    """A large copy is streamed past the caches or done by memcpy, the way each process
+    measures faster on its first copies of a size class (``_csrc/os.c``)."""
+    make_store(dram="320MiB")
+    p, q = start(multiprocessing.get_context("spawn"), _large_puts_round_trip, store_name)
+    assert finish(p, q, timeout=120) == []

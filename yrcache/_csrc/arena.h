@@ -255,4 +255,6 @@ int  yr_populate(void *addr, uint64_t n, int write);
  * gives them where the tmpfs holding the segment is mounted with huge=advise
  * (or within_size, always); 0, or -errno */
 int  yr_advise_huge(void *addr, uint64_t size);
+/* copy n bytes; a large copy streamed past the caches or by memcpy, whichever this
+ * process measured faster on its first large copies */
 void yr_memcpy(void *dst, const void *src, uint64_t n);
