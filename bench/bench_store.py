@@ -566,7 +566,7 @@ def bench_small(cfg: Config, cleanup: U.Cleanup, res: dict, server: PipeServer) 
                 vs = store.mget(b)
             t2 = pc()
             del vs
-            out.setdefault("yr_mset", []).append(n // 100 * 100 / ((t1 - t0) / 1e9))
+            out.setdefault("yr_mput", []).append(n // 100 * 100 / ((t1 - t0) / 1e9))
             out.setdefault("yr_mget", []).append(n // 100 * 100 / ((t2 - t1) / 1e9))
         if not np.array_equal(store.get(batches[-1][-1]), value):
             raise RuntimeError("1 KiB values in batches: stored value differs")

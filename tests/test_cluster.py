@@ -146,6 +146,23 @@ def test_write_modes_and_flush(harness):
         assert [int(v[0]) for v in c.mget([f"m{i}" for i in range(150)])] == list(range(150))
 
 
+def test_async_writes_reach_the_other_owner_without_a_flush(harness):
+    """A member's forwarder sleeps after a second with nothing to send and a write wakes
+    it; while awake it looks every few milliseconds by itself (writers do not wake it)."""
+    harness.start(3)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 3)
+        for rnd in range(2):
+            time.sleep(1.5)                           # every forwarder asleep
+            c.put(f"x{rnd}", value(rnd), write_mode="async")
+            took = wait_for(lambda: harness.copies().get(f"x{rnd}") == 2, 5, "the second copy of a write")
+            assert took < 1.0, took
+            for i in range(20):                       # the forwarders are awake now
+                c.put(f"y{rnd}/{i}", value(i), write_mode="async")
+            wait_for(lambda: all(harness.copies().get(f"y{rnd}/{i}") == 2 for i in range(20)), 5,
+                     "the second copies of a burst")
+
+
 # ---- a machine is one member -----------------------------------------------------------
 _WORKER = textwrap.dedent("""
     import sys, numpy as np

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import Tier
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
-from .replication import (BATCH, LINGER_S, QUEUE_MAX, REBALANCE_RATE, REPAIR_S, SETTLE_S, TOMBSTONE_S,
+from .replication import (BATCH, IDLE_S, LINGER_S, QUEUE_MAX, REBALANCE_RATE, REPAIR_S, SETTLE_S, TOMBSTONE_S,
                           Version, check_wire_meta)
 
 if TYPE_CHECKING:
@@ -253,16 +253,24 @@ class Forwarder(_Worker):
         self.sent = 0
         self.sent_bytes = 0
         self._burst = [0, 0, 0.0]          # objects, bytes and start of the current backlog (for the log)
+        # Asleep until woken (nothing queued for IDLE_S); else it looks every LINGER_S by itself.
+        self._asleep = False
         self._thread.start()
 
     def add(self, key: str, version: Version, targets: tuple[str, ...] | None = None, block: bool = True) -> None:
-        """Queue ``key``: send ``version`` to ``targets`` (default: its other owners)."""
+        """Queue ``key``: send ``version`` to ``targets`` (default: its other owners).
+
+        The thread is woken only from its long sleep or for a full batch: waking
+        another thread is a system call and, on a VM, an interrupt to an idle vCPU
+        (tens of microseconds on the writer's clock), and a woken forwarder would
+        wait ``LINGER_S`` for a batch anyway."""
         with self._cv:
             while block and len(self._q) >= QUEUE_MAX and not self._stop:
                 self._cv.wait(0.1)
             self._q[key] = (version, targets)
             self._q.move_to_end(key)
-            self._cv.notify_all()
+            if self._asleep or len(self._q) >= BATCH:
+                self._cv.notify_all()
 
     def pending(self) -> int:
         with self._cv:
@@ -281,12 +289,18 @@ class Forwarder(_Worker):
     def _loop(self) -> None:
         while True:
             with self._cv:
+                idle_since = time.monotonic()
                 while not self._q and not self._stop:
+                    if time.monotonic() - idle_since < IDLE_S:
+                        self._cv.wait(LINGER_S)   # a look every LINGER_S: writers need not wake us
+                        continue
+                    self._asleep = True
                     self._cv.wait()
+                    self._asleep = False
+                    if self._q and len(self._q) < BATCH and not self._stop:
+                        self._cv.wait(LINGER_S)   # let a burst of writes gather into one batch
                 if self._stop:
                     return
-                if len(self._q) < BATCH:
-                    self._cv.wait(LINGER_S)       # let a burst of writes gather into one batch
                 batch = [self._q.popitem(last=False) for _ in range(min(BATCH, len(self._q)))]
                 self._busy += len(batch)
                 self._cv.notify_all()

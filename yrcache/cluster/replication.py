@@ -47,6 +47,7 @@ REPAIR_S = float(os.environ.get("YRCACHE_REPAIR_S") or 30.0)   # and every membe
 REBALANCE_RATE = parse_size(os.environ.get("YRCACHE_REBALANCE_RATE") or "1GiB")  # bytes/s of moves
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
+IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
 
 
 class Clock:
