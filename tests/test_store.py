@@ -15,7 +15,7 @@ import pytest
 from store_suite import StoreSuite  # noqa: E402
 
 from yrcache import Tier, TieredStore  # noqa: E402
-from yrcache.errors import UntrustedStoreError  # noqa: E402
+from yrcache.errors import StoreFullError, UntrustedStoreError  # noqa: E402
 from procs import drop_failed_test_locals, finish, start  # noqa: E402
 
 # Every test ends with gc.collect() (conftest's store_name); with torch loaded
@@ -470,6 +470,59 @@ def test_small_gets_and_puts_in_one_c_call_match_the_general_path(make_store):
     s.close()
     assert hot.read("b") is False and hot.put("p", b"B", b"x", True) is False   # gone
     assert hot.mread(["b"]) is False
+
+
+class _Counting:
+    """A HotPath stand-in that counts its mput_values calls (the C type takes no patches)."""
+
+    def __init__(self, hot):
+        self.hot, self.calls = hot, []
+
+    def mput_values(self, pairs, *rest):
+        self.calls.append(len(pairs))
+        return self.hot.mput_values(pairs, *rest)
+
+    def __getattr__(self, name):
+        return getattr(self.hot, name)
+
+
+def test_mset_in_one_c_call_matches_puts_one_by_one(make_store):
+    """``mset`` of bytes and arrays of learned layouts checks its keys and finds its
+    headers in C and stores them in one call; every other value, a large one, a bad key,
+    a full store take the general path. Values, counters and errors are those of puts."""
+    s = make_store(dram="4MiB", pickle=True)
+
+    def same(got, v):
+        if isinstance(v, dict):
+            return got == v
+        if isinstance(v, np.ndarray):
+            return (type(got), got.shape, got.dtype) == (np.ndarray, v.shape, v.dtype) and np.array_equal(got, v)
+        return bytes(got) == bytes(v)
+    values = {"b": b"abc", "empty": b"", "ba": bytearray(b"xy"), "mv": memoryview(b"0123")[::2],
+              "i8": np.arange(7, dtype=np.int8), "f8-2d": np.ones((3, 4)), "zero-d": np.array(3.5),
+              "strided": np.arange(10)[::2], "obj": {"x": [1, 2]}, "64k": np.ones(64 << 10, np.uint8),
+              "64k+1": np.ones((64 << 10) + 1, np.uint8), "é/ключ": np.arange(3), _Key("sub"): b"str subclass"}
+    for _ in range(2):                     # the second time, the array layouts are learned
+        before = s.stats()["puts"]
+        s.mset(values)
+        assert s.stats()["puts"] - before == len(values)
+        assert all(same(s[k], v) for k, v in values.items())
+    s._a.hot = counting = _Counting(s._a.hot)
+    plain = {f"p{i}": (b"x" * i if i % 2 else np.full(i, i, np.int32)) for i in range(50)}
+    s.mset(plain)
+    assert counting.calls == [50], "a batch of bytes and learned arrays did not take the one C call"
+    assert all(same(s[k], v) for k, v in plain.items())
+    for bad, err in [({"ok": b"1", "": b"2"}, ValueError), ({"ok": b"1", 5: b"2"}, TypeError),
+                     ({"ok": b"1", "a\x00": b"2"}, ValueError), ({"ok": b"1", "k" * 1025: b"2"}, ValueError)]:
+        with pytest.raises(err):
+            s.mset(bad)
+        assert "ok" not in s, "a batch with a bad key stored something"
+    # more than fits: the C call stores what fits, then the general path says the store is full
+    with pytest.raises(StoreFullError):
+        s.mset({f"big{i}": np.full(60 << 10, i, np.uint8) for i in range(80)})     # 4.7 MiB > 4 MiB
+    assert same(s["big0"], np.full(60 << 10, 0, np.uint8))
+    s._a.hot = counting.hot
+    s.check()
 
 
 def _rss_shmem() -> int:

@@ -43,6 +43,10 @@ class HotPath:
         in DRAM in one lock hold until one does not fit: (stored, how many replaced a
         lower-tier copy); or the arena's negative error code. TypeError/ValueError for a
         row that is not of that form, or a mapping closed or without this process's slot."""
+    def mput_values(self, pairs: list, priority: int, expire_at: float, small: int, /) -> tuple[int, int] | int | None | Literal[False]:
+        """``mput`` of (key, value) pairs, keys checked and headers found in C (the values
+        ``put_value`` takes, each of at most ``small`` bytes); None: an ndarray of a layout
+        not learned yet; False: a key or value for the general path (nothing stored then)."""
     def put_value(self, key: Any, value: Any, prefaulted: bool, /) -> bool | None:
         """``put`` of bytes, a bytearray or a C-contiguous ndarray of a learned layout, the
         header found in C; None: an ndarray whose layout is not learned yet (encode it, then

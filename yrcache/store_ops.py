@@ -24,7 +24,7 @@ from .config import Tier, WriteMode, write_mode as _write_mode
 from .placement import RETRY, SMALL_VALUE
 from .errors import YrcacheError
 from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
-from .tiers.dram import TIER_DRAM, Word
+from .tiers.dram import TIER_DRAM, Word, check
 from .tiers.segment import check_trusted, seg_path
 from .types import Value
 from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
@@ -193,9 +193,22 @@ class StoreOps:
         expire_at = _expire_at(ttl)
         priority = _priority(priority)
         pairs = list(items.items() if isinstance(items, Mapping) else items)
+        p, learn = self._placement, False
+        if tier is None and p.direct and pairs:
+            # The common case in one C call: keys checked and headers found there (bytes,
+            # arrays of learned layouts), all under one lock hold as far as they fit.
+            a = self._a
+            _ = a.slot                       # a forked child takes its own slot first
+            got = a.hot.mput_values(pairs, priority, expire_at, SMALL_VALUE)
+            if isinstance(got, tuple):
+                if got[0] == len(pairs):
+                    return
+                pairs = pairs[got[0]:]       # the rest did not fit: the general path makes room
+            elif isinstance(got, int):
+                check(got, "mset")
+            learn = got is None               # an array layout C does not know yet: teach it below
         for k, _ in pairs:
             key_bytes(k)            # validate every key before storing anything
-        p = self._placement
         if tier is None and p.default_tier is not None:   # each value to its own default
             for k, v in pairs:
                 self.put(k, v, priority=priority, ttl=ttl)
@@ -205,7 +218,10 @@ class StoreOps:
             if self._hbm is not None and self._hbm.takes(v, tier):
                 self.put(k, v, tier=tier, priority=priority, ttl=ttl)
             else:
-                rest.append((key_bytes(k), *codec.encode(v, self._pickle)))
+                row = (key_bytes(k), *codec.encode(v, self._pickle))
+                if learn and row[2] is v:
+                    self._a.hot.learn(v, row[1])
+                rest.append(row)
         self._put_rows(rest, priority, expire_at, tier, tier != Tier.SSD)
 
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,

@@ -239,36 +239,91 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
-/* mput(rows, priority, expire_at): rows of (key bytes, meta bytes, payload, nbytes), keys
- * and headers validated by the caller, each payload one contiguous buffer of exactly nbytes,
- * stored in DRAM in one hold of the arena lock until one does not fit: (stored, how many of
- * those replaced a lower-tier copy), or the arena's (negative) error code. */
-static PyObject *HotPath_mput(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 3 || !PyList_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "mput(rows: list, priority: int, expire_at: float)");
-        return NULL;
-    }
-    long long priority = PyLong_AsLongLong(args[1]);
-    double expire_at = PyFloat_AsDouble(args[2]);
-    if (PyErr_Occurred()) return NULL;
-    if (!self->base || !self->slot) {
-        PyErr_SetString(PyExc_ValueError, "mput: the arena is closed, or this process has no slot in it yet");
-        return NULL;
-    }
-    PyObject *rows = args[0], *out = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(rows), got = 0;     /* got: buffers held */
+/* Store n rows (key, header, payload view) in DRAM in one hold of the arena lock
+ * (yr_mput_small) until one does not fit: (stored, how many of those replaced a
+ * lower-tier copy), or the arena's negative error code; NULL with an exception.
+ * Keys and headers are copied here before the GIL is released (the caller's
+ * objects may change then); the views stay the caller's to release. */
+PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const uint32_t *klens,
+                     PyObject *const *metas, const Py_buffer *views, long long priority, double expire_at) {
+    PyObject *out = NULL;
     size_t ktotal = 0, mtotal = 0;
-    uint32_t *klens = PyMem_Malloc(2 * (size_t)n * sizeof(uint32_t) + 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ktotal += klens[i];
+        mtotal += (size_t)PyBytes_GET_SIZE(metas[i]);
+    }
+    uint32_t *mlens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
     uint64_t *nbytes = PyMem_Malloc((size_t)n * sizeof(uint64_t) + 1);
     const char **data = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
-    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
     yr_retired *retired = PyMem_Malloc((size_t)n * sizeof(yr_retired) + 1);
-    char *keys = NULL, *metas = NULL;
-    if (!klens || !nbytes || !data || !views || !retired) {
+    char *keys = PyMem_Malloc(ktotal + 1), *heads = PyMem_Malloc(mtotal + 1);
+    if (!mlens || !nbytes || !data || !retired || !keys || !heads) {
         PyErr_NoMemory();
         goto done;
     }
-    uint32_t *mlens = klens + n;
+    for (Py_ssize_t i = 0, k = 0, m = 0; i < n; i++) {
+        mlens[i] = (uint32_t)PyBytes_GET_SIZE(metas[i]);
+        memcpy(keys + k, kbs[i], klens[i]);
+        memcpy(heads + m, PyBytes_AS_STRING(metas[i]), mlens[i]);
+        k += klens[i];
+        m += mlens[i];
+        nbytes[i] = (uint64_t)views[i].len;
+        data[i] = views[i].len ? (const char *)views[i].buf : NULL;
+    }
+    int stored;
+    uint32_t lower = 0;
+    Py_BEGIN_ALLOW_THREADS
+    stored = self->mput(self->base, self->slot, keys, klens, heads, mlens, data, nbytes, (uint32_t)n,
+                        (int64_t)priority, expire_at, retired, &lower);
+    Py_END_ALLOW_THREADS
+    out = stored < 0 ? PyLong_FromLong(stored) : Py_BuildValue("(iI)", stored, lower);
+done:
+    PyMem_Free(mlens);
+    PyMem_Free(nbytes);
+    PyMem_Free(data);
+    PyMem_Free(retired);
+    PyMem_Free(keys);
+    PyMem_Free(heads);
+    return out;
+}
+
+/* The arguments shared by mput and mput_values: (list, priority, expire_at); -1 with
+ * an exception when they are not that, or the mapping cannot take a put now. */
+int batch_args(HotPath *self, PyObject *const *args, Py_ssize_t nargs, const char *usage, long long *priority,
+               double *expire_at) {
+    if (nargs != 3 || !PyList_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    *priority = PyLong_AsLongLong(args[1]);
+    *expire_at = PyFloat_AsDouble(args[2]);
+    if (PyErr_Occurred()) return -1;
+    if (!self->base || !self->slot) {
+        PyErr_SetString(PyExc_ValueError, "the arena is closed, or this process has no slot in it yet");
+        return -1;
+    }
+    return 0;
+}
+
+/* mput(rows, priority, expire_at): rows of (key bytes, meta bytes, payload, nbytes), keys
+ * and headers validated by the caller, each payload one contiguous buffer of exactly
+ * nbytes: store_rows' answer. */
+static PyObject *HotPath_mput(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long priority;
+    double expire_at;
+    if (batch_args(self, args, nargs, "mput(rows: list, priority: int, expire_at: float)", &priority,
+                   &expire_at) < 0)
+        return NULL;
+    PyObject *rows = args[0], *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(rows), got = 0;     /* got: views held */
+    const char **kbs = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
+    uint32_t *klens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
+    PyObject **metas = PyMem_Malloc((size_t)n * sizeof(PyObject *) + 1);
+    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
+    if (!kbs || !klens || !metas || !views) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *row = PyList_GET_ITEM(rows, i);
         if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 0))
@@ -285,40 +340,17 @@ static PyObject *HotPath_mput(HotPath *self, PyObject *const *args, Py_ssize_t n
                              views[i].len);
             goto done;
         }
+        kbs[i] = PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0));
         klens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 0));
-        mlens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 1));
-        ktotal += klens[i];
-        mtotal += mlens[i];
-        nbytes[i] = (uint64_t)nb;
-        data[i] = nb ? (const char *)views[i].buf : NULL;
+        metas[i] = PyTuple_GET_ITEM(row, 1);
     }
-    keys = PyMem_Malloc(ktotal + 1);
-    metas = PyMem_Malloc(mtotal + 1);
-    if (!keys || !metas) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0, k = 0, m = 0; i < n; k += klens[i], m += mlens[i], i++) {
-        PyObject *row = PyList_GET_ITEM(rows, i);
-        memcpy(keys + k, PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0)), klens[i]);
-        memcpy(metas + m, PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 1)), mlens[i]);
-    }
-    int stored;
-    uint32_t lower = 0;
-    Py_BEGIN_ALLOW_THREADS
-    stored = self->mput(self->base, self->slot, keys, klens, metas, mlens, data, nbytes, (uint32_t)n,
-                        (int64_t)priority, expire_at, retired, &lower);
-    Py_END_ALLOW_THREADS
-    out = stored < 0 ? PyLong_FromLong(stored) : Py_BuildValue("(iI)", stored, lower);
+    out = store_rows(self, n, kbs, klens, metas, views, priority, expire_at);
 done:
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(kbs);
     PyMem_Free(klens);
-    PyMem_Free(nbytes);
-    PyMem_Free(data);
-    PyMem_Free(views);
-    PyMem_Free(retired);
-    PyMem_Free(keys);
     PyMem_Free(metas);
+    PyMem_Free(views);
     return out;
 }
 
@@ -392,6 +424,11 @@ static PyMethodDef HotPath_methods[] = {
      "mput(rows, priority, expire_at) -> (stored, lower) | error code: rows of (key bytes, meta, "
      "payload, nbytes) stored in DRAM in one lock hold until one does not fit, and how many of them "
      "replaced a lower-tier copy; or the arena's negative error code."},
+    {"mput_values", (PyCFunction)(void (*)(void))HotPath_mput_values, METH_FASTCALL,
+     "mput_values(pairs, priority, expire_at, small) -> (stored, lower) | error code | None | False: "
+     "mput of (key, value) pairs whose headers are found here (put_value's values, each of at most "
+     "`small` bytes); None: an ndarray of a layout not learned yet; False: a key or value for the "
+     "general path (none stored)."},
     {"put_value", (PyCFunction)(void (*)(void))HotPath_put_value, METH_FASTCALL,
      "put_value(key, value, prefaulted) -> True | None | False: put() of bytes, a bytearray or a "
      "C-contiguous ndarray of a learned layout, its header found here; None: an ndarray layout "

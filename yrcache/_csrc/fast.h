@@ -72,12 +72,17 @@ static inline Flat *find_header(Flat *entries, int n, const char *meta, Py_ssize
 
 /* fast.c */
 const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen);
+PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const uint32_t *klens,
+                     PyObject *const *metas, const Py_buffer *views, long long priority, double expire_at);
+int batch_args(HotPath *self, PyObject *const *args, Py_ssize_t nargs, const char *usage, long long *priority,
+               double *expire_at);
 
 /* fast_values.c */
 int values_ready(void);
 void values_clear(HotPath *self);
 PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned);
 PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 

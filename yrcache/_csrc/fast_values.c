@@ -132,6 +132,34 @@ static Layout *layout_of(HotPath *self, const Py_buffer *v) {
     return NULL;
 }
 
+/* The view and codec header of a value put_value stores (bytes or bytearray: b"B"; a
+ * C-contiguous ndarray of a learned layout: its header): 1, the view held; 0: an
+ * ndarray of a layout not learned yet; -1: another kind of value (no exception). */
+static int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta) {
+    if (PyBytes_CheckExact(value) || PyByteArray_CheckExact(value)) {
+        if (PyObject_GetBuffer(value, view, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear();
+            return -1;
+        }
+        *meta = self->bytes_meta;
+        return 1;
+    }
+    if (self->ndarray && (PyObject *)Py_TYPE(value) == self->ndarray) {
+        if (PyObject_GetBuffer(value, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+            PyErr_Clear();       /* not contiguous, or a dtype buffers cannot describe */
+            return -1;
+        }
+        Layout *l = layout_of(self, view);
+        if (!l) {
+            PyBuffer_Release(view);
+            return 0;
+        }
+        *meta = l->meta;
+        return 1;
+    }
+    return !self->ndarray && !strcmp(Py_TYPE(value)->tp_name, "numpy.ndarray") ? 0 : -1;
+}
+
 /* put_value(key, value, prefaulted): put(), with the value's codec header found
  * here: b"B" for bytes and bytearray, a learned header for a C-contiguous
  * ndarray.  True: stored; None: an ndarray of a layout not learned yet (the
@@ -144,30 +172,10 @@ PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nar
     Py_ssize_t klen;
     const char *kb = key_of(self, args[0], &klen);
     if (!kb) Py_RETURN_FALSE;
-    PyObject *value = args[1], *meta;
+    PyObject *meta;
     Py_buffer view;
-    if (PyBytes_CheckExact(value) || PyByteArray_CheckExact(value)) {
-        if (PyObject_GetBuffer(value, &view, PyBUF_SIMPLE) < 0) {
-            PyErr_Clear();
-            Py_RETURN_FALSE;
-        }
-        meta = self->bytes_meta;
-    } else if (self->ndarray && (PyObject *)Py_TYPE(value) == self->ndarray) {
-        if (PyObject_GetBuffer(value, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-            PyErr_Clear();       /* not contiguous, or a dtype buffers cannot describe */
-            Py_RETURN_FALSE;
-        }
-        Layout *l = layout_of(self, &view);
-        if (!l) {
-            PyBuffer_Release(&view);
-            Py_RETURN_NONE;
-        }
-        meta = l->meta;
-    } else if (!self->ndarray && !strcmp(Py_TYPE(value)->tp_name, "numpy.ndarray")) {
-        Py_RETURN_NONE;          /* before the first layout is learned */
-    } else {
-        Py_RETURN_FALSE;
-    }
+    int found = value_view(self, args[1], &view, &meta);
+    if (found <= 0) return Py_NewRef(found == 0 ? Py_None : Py_False);
     int populate = !PyObject_IsTrue(args[2]) && view.len >= POPULATE_MIN;
     Py_INCREF(meta);     /* learn() may replace the entry while the GIL is released */
     yr_retired out;
@@ -180,6 +188,59 @@ PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nar
     PyBuffer_Release(&view);
     if (r == YR_OK) Py_RETURN_TRUE;
     Py_RETURN_FALSE;
+}
+
+/* mput_values(pairs, priority, expire_at, small): the (key, value) pairs stored as mput
+ * stores rows, every key checked and every header found first (nothing stored
+ * otherwise); False also when a value is over `small` bytes (a large copy runs outside
+ * the arena lock, in put). */
+PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long priority;
+    double expire_at;
+    Py_ssize_t small = nargs == 4 ? PyLong_AsSsize_t(args[3]) : -1;
+    if (small < 0 || batch_args(self, args, 3, "mput_values(pairs: list, priority: int, expire_at: float, "
+                                "small: int)", &priority, &expire_at) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "mput_values(pairs, priority, expire_at, small)");
+        return NULL;
+    }
+    PyObject *pairs = args[0], *out = NULL;
+    Py_ssize_t n = PyList_GET_SIZE(pairs), got = 0;    /* got: views held */
+    const char **kbs = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
+    uint32_t *klens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
+    PyObject **metas = PyMem_Malloc((size_t)n * sizeof(PyObject *) + 1);
+    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
+    if (!kbs || !klens || !metas || !views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *pair = PyList_GET_ITEM(pairs, i);
+        Py_ssize_t klen;
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+            !(kbs[i] = key_of(self, PyTuple_GET_ITEM(pair, 0), &klen))) {
+            out = Py_NewRef(Py_False);
+            goto done;
+        }
+        klens[i] = (uint32_t)klen;
+        int r = value_view(self, PyTuple_GET_ITEM(pair, 1), &views[i], &metas[i]);
+        if (r <= 0) {
+            out = Py_NewRef(r == 0 ? Py_None : Py_False);
+            goto done;
+        }
+        got = i + 1;
+        if (views[i].len > small) {
+            out = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    out = store_rows(self, n, kbs, klens, metas, views, priority, expire_at);
+done:
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(kbs);
+    PyMem_Free(klens);
+    PyMem_Free(metas);
+    PyMem_Free(views);
+    return out;
 }
 
 /* learn(array, meta): from now on put_value stores an ndarray of this one's
