@@ -512,6 +512,11 @@ def test_mset_in_one_c_call_matches_puts_one_by_one(make_store):
     s.mset(plain)
     assert counting.calls == [50], "a batch of bytes and learned arrays did not take the one C call"
     assert all(same(s[k], v) for k, v in plain.items())
+    many = {f"m{i}": bytes([i % 251]) * (i % 1500) for i in range(1000)}    # 256 per lock hold
+    s.mset(many)
+    assert counting.calls[-1] == 1000 and all(same(s[k], v) for k, v in many.items())
+    for k in many:
+        del s[k]
     for bad, err in [({"ok": b"1", "": b"2"}, ValueError), ({"ok": b"1", 5: b"2"}, TypeError),
                      ({"ok": b"1", "a\x00": b"2"}, ValueError), ({"ok": b"1", "k" * 1025: b"2"}, ValueError)]:
         with pytest.raises(err):

@@ -40,7 +40,7 @@ class HotPath:
         """True once the payload is stored in DRAM (priority 0, no ttl), else False (general path)."""
     def mput(self, rows: list, priority: int, expire_at: float, /) -> tuple[int, int] | int:
         """Rows of (key bytes, header, payload buffer, nbytes), validated by the caller, stored
-        in DRAM in one lock hold until one does not fit: (stored, how many replaced a
+        in DRAM, 256 per hold of the arena lock, until one does not fit: (stored, how many replaced a
         lower-tier copy); or the arena's negative error code. TypeError/ValueError for a
         row that is not of that form, or a mapping closed or without this process's slot."""
     def mput_values(self, pairs: list, priority: int, expire_at: float, small: int, /) -> tuple[int, int] | int | None | Literal[False]:

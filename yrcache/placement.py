@@ -162,7 +162,7 @@ class Placement:
                 raise self.full_error(nbytes)
 
     def put_many_small(self, batch: list, priority: int, expire_at: float) -> int:
-        """Store small values in one lock hold; returns how many fit."""
+        """Store small values, 256 per lock hold; returns how many fit."""
         if self.moves:
             self.make_room(sum(_overhead(kb, meta) + n for kb, meta, _, n in batch))
         done, lower = self.a.mput_small(batch, priority, expire_at)

@@ -175,7 +175,7 @@ class StoreOps:
              write_mode: WriteMode | str | None = None) -> None:
         """Put several values; each one is atomic (the batch as a whole is not).
 
-        Small values are stored under one hold of the arena lock; larger ones
+        Small values are stored 256 per hold of the arena lock; larger ones
         (and any that do not fit at once) one by one, as ``put`` does.
         ``items``: a mapping, or an iterable of ``(key, value)`` pairs; every
         key is validated before anything is stored.
@@ -196,7 +196,7 @@ class StoreOps:
         p, learn = self._placement, False
         if tier is None and p.direct and pairs:
             # The common case in one C call: keys checked and headers found there (bytes,
-            # arrays of learned layouts), all under one lock hold as far as they fit.
+            # arrays of learned layouts), 256 per lock hold, as far as they fit.
             a = self._a
             _ = a.slot                       # a forked child takes its own slot first
             got = a.hot.mput_values(pairs, priority, expire_at, SMALL_VALUE)
@@ -227,7 +227,7 @@ class StoreOps:
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
                  ttl: float | None = None, tier: Tier | None = None) -> None:
         """``put_with`` of several encoded objects ``(key, meta, payload, nbytes)``, each
-        ``payload`` a contiguous buffer of exactly ``nbytes``: the small ones under one hold of
+        ``payload`` a contiguous buffer of exactly ``nbytes``: the small ones 256 per hold of
         the arena lock, the rest one by one. Each object is atomic, the batch is not;
         every key is validated before anything is stored."""
         self._check_open()
@@ -244,7 +244,7 @@ class StoreOps:
     def _put_rows(self, rows: list[tuple[bytes, bytes, Any, int]], priority: int, expire_at: float,
                   tier: Tier | None, batch: bool) -> None:
         """Store encoded ``(key bytes, meta, payload, nbytes)`` rows: with ``batch``, the
-        small ones under one hold of the arena lock (as many as fit), the rest one by one."""
+        small ones 256 per hold of the arena lock (as many as fit), the rest one by one."""
         p = self._placement
         small = [e for e in rows if e[3] <= SMALL_VALUE] if batch else []
         done = p.put_many_small(small, priority, expire_at) if small else 0

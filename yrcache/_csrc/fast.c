@@ -239,8 +239,8 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
-/* Store n rows (key, header, payload view) in DRAM in one hold of the arena lock
- * (yr_mput_small) until one does not fit: (stored, how many of those replaced a
+/* Store n rows (key, header, payload view) in DRAM, MPUT_RUN rows (or MPUT_RUN_BYTES) per
+ * hold of the arena lock (yr_mput_small), until one does not fit: (stored, how many of those replaced a
  * lower-tier copy), or the arena's negative error code; NULL with an exception.
  * Keys and headers are copied here before the GIL is released (the caller's
  * objects may change then); the views stay the caller's to release. */
@@ -255,7 +255,7 @@ PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const 
     uint32_t *mlens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
     uint64_t *nbytes = PyMem_Malloc((size_t)n * sizeof(uint64_t) + 1);
     const char **data = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
-    yr_retired *retired = PyMem_Malloc((size_t)n * sizeof(yr_retired) + 1);
+    yr_retired *retired = PyMem_Malloc(MPUT_RUN * sizeof(yr_retired));
     char *keys = PyMem_Malloc(ktotal + 1), *heads = PyMem_Malloc(mtotal + 1);
     if (!mlens || !nbytes || !data || !retired || !keys || !heads) {
         PyErr_NoMemory();
@@ -270,13 +270,29 @@ PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const 
         nbytes[i] = (uint64_t)views[i].len;
         data[i] = views[i].len ? (const char *)views[i].buf : NULL;
     }
-    int stored;
-    uint32_t lower = 0;
+    Py_ssize_t stored = 0;
+    unsigned long lower = 0;
+    int rc = 0;
+    size_t k = 0, m = 0;
     Py_BEGIN_ALLOW_THREADS
-    stored = self->mput(self->base, self->slot, keys, klens, heads, mlens, data, nbytes, (uint32_t)n,
-                        (int64_t)priority, expire_at, retired, &lower);
+    while (stored < n) {     /* a lock hold per MPUT_RUN rows or MPUT_RUN_BYTES: others wait ~50 us at most */
+        uint32_t run = 0, low = 0;
+        for (uint64_t bytes = 0; stored + run < n && run < MPUT_RUN; run++) {
+            bytes += nbytes[stored + run];
+            if (run && bytes > MPUT_RUN_BYTES) break;
+        }
+        rc = self->mput(self->base, self->slot, keys + k, klens + stored, heads + m, mlens + stored,
+                        data + stored, nbytes + stored, run, (int64_t)priority, expire_at, retired, &low);
+        if (rc < 0) break;
+        lower += low;
+        for (int i = 0; i < rc; i++, stored++) {
+            k += klens[stored];
+            m += mlens[stored];
+        }
+        if ((uint32_t)rc < run) break;     /* one did not fit */
+    }
     Py_END_ALLOW_THREADS
-    out = stored < 0 ? PyLong_FromLong(stored) : Py_BuildValue("(iI)", stored, lower);
+    out = rc < 0 && stored == 0 ? PyLong_FromLong(rc) : Py_BuildValue("(nk)", stored, lower);
 done:
     PyMem_Free(mlens);
     PyMem_Free(nbytes);
@@ -422,7 +438,7 @@ static PyMethodDef HotPath_methods[] = {
      "and no ttl, or False (take the general path)."},
     {"mput", (PyCFunction)(void (*)(void))HotPath_mput, METH_FASTCALL,
      "mput(rows, priority, expire_at) -> (stored, lower) | error code: rows of (key bytes, meta, "
-     "payload, nbytes) stored in DRAM in one lock hold until one does not fit, and how many of them "
+     "payload, nbytes) stored in DRAM, 256 per lock hold, until one does not fit, and how many of them "
      "replaced a lower-tier copy; or the arena's negative error code."},
     {"mput_values", (PyCFunction)(void (*)(void))HotPath_mput_values, METH_FASTCALL,
      "mput_values(pairs, priority, expire_at, small) -> (stored, lower) | error code | None | False: "

@@ -14,6 +14,8 @@
 #define CAP_MAX 8192             /* the largest copy a read takes (on the C stack) */
 #define MREAD_BYTES (64 << 10)   /* room for the small values one batch read copies out */
 #define MREAD_MAX 65536           /* keys in one batch read here */
+#define MPUT_RUN 256              /* small values a batch put stores per hold of the arena lock, */
+#define MPUT_RUN_BYTES (256 << 10) /* and at most this many bytes of them (unless one is larger) */
 #define POPULATE_MIN (1 << 20)   /* tiers/dram.py: a copy this big into a mapping not prefaulted maps its pages first */
 #define FLAT_MAX 16              /* headers of 1-D arrays whose small values get builds here */
 #define SHAPED_MAX 16            /* headers of ndarrays whose pinned (larger) values get builds here */

@@ -415,8 +415,8 @@ class Arena:
         return out
 
     def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, int]:
-        """Store (key, meta, payload, nbytes) rows, each payload one contiguous buffer of nbytes, in
-        one lock hold until one does not fit: (how many were stored, how many replaced a lower tier's)."""
+        """Store (key, meta, payload, nbytes) rows, each payload one contiguous buffer of nbytes, 256
+        per lock hold, until one does not fit: (how many stored, how many replaced a lower tier's)."""
         _ = self.slot                    # a forked child takes its own slot first (the C call needs it)
         got = self.hot.mput(batch, priority, expire_at)     # one C call, no cffi marshalling
         return got if isinstance(got, tuple) else (check(got, "mset"), 0)
