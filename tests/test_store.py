@@ -502,6 +502,9 @@ def test_mset_in_one_c_call_matches_puts_one_by_one(make_store):
               "i8": np.arange(7, dtype=np.int8), "f8-2d": np.ones((3, 4)), "zero-d": np.array(3.5),
               "strided": np.arange(10)[::2], "obj": {"x": [1, 2]}, "64k": np.ones(64 << 10, np.uint8),
               "64k+1": np.ones((64 << 10) + 1, np.uint8), "é/ключ": np.arange(3), _Key("sub"): b"str subclass"}
+    s.mset({"y": np.arange(2, dtype=np.uint8), "x": b"abc"})   # (before any array layout is learned)
+    s.put("z", np.zeros(3, np.uint8))      # the same buffer layout as b"abc": still an array
+    assert same(s["z"], np.zeros(3, np.uint8)) and same(s["x"], b"abc")
     for _ in range(2):                     # the second time, the array layouts are learned
         before = s.stats()["puts"]
         s.mset(values)

@@ -219,7 +219,7 @@ class StoreOps:
                 self.put(k, v, tier=tier, priority=priority, ttl=ttl)
             else:
                 row = (key_bytes(k), *codec.encode(v, self._pickle))
-                if learn and row[2] is v:
+                if learn and row[2] is v and type(v) is np.ndarray:   # (a bytes header is not an array's)
                     self._a.hot.learn(v, row[1])
                 rest.append(row)
         self._put_rows(rest, priority, expire_at, tier, tier != Tier.SSD)
