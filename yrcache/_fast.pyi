@@ -53,6 +53,7 @@ class HotPath:
         ``learn``); False: take the general path."""
     def learn(self, array: Any, meta: bytes, /) -> bool:
         """From now on ``put_value`` stores ndarrays of this one's layout under ``meta`` (32
-        layouts, the oldest replaced); False for a layout a buffer cannot describe here."""
+        layouts, the oldest replaced); False for a layout a buffer cannot describe here, or
+        for anything but a plain ndarray (bytes have a buffer layout too, not an array header)."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""

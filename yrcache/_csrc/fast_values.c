@@ -251,6 +251,9 @@ PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs) 
         PyErr_SetString(PyExc_TypeError, "learn(array, meta: bytes)");
         return NULL;
     }
+    PyTypeObject *type = Py_TYPE(args[0]);   /* plain ndarrays only: the layout of bytes (say) */
+    if (self->ndarray ? (PyObject *)type != self->ndarray : strcmp(type->tp_name, "numpy.ndarray") != 0)
+        Py_RETURN_FALSE;                      /* says nothing of an array's header */
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyErr_Clear();
