@@ -239,13 +239,39 @@ static PyObject *HotPath_put(HotPath *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_FALSE;
 }
 
+/* Room for n rows; -1 with MemoryError. */
+int rows_init(Rows *r, Py_ssize_t n) {
+    r->n = n;
+    r->held = 0;
+    r->kbs = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
+    r->klens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
+    r->metas = PyMem_Malloc((size_t)n * sizeof(PyObject *) + 1);
+    r->views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
+    if (r->kbs && r->klens && r->metas && r->views) return 0;
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* Release the views held and the room (after rows_init, whatever it returned). */
+void rows_free(Rows *r) {
+    for (Py_ssize_t i = 0; i < r->held; i++) PyBuffer_Release(&r->views[i]);
+    PyMem_Free(r->kbs);
+    PyMem_Free(r->klens);
+    PyMem_Free(r->metas);
+    PyMem_Free(r->views);
+}
+
 /* Store n rows (key, header, payload view) in DRAM, MPUT_RUN rows (or MPUT_RUN_BYTES) per
  * hold of the arena lock (yr_mput_small), until one does not fit: (stored, how many of those replaced a
  * lower-tier copy), or the arena's negative error code; NULL with an exception.
  * Keys and headers are copied here before the GIL is released (the caller's
  * objects may change then); the views stay the caller's to release. */
-PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const uint32_t *klens,
-                     PyObject *const *metas, const Py_buffer *views, long long priority, double expire_at) {
+PyObject *store_rows(HotPath *self, const Rows *r, long long priority, double expire_at) {
+    Py_ssize_t n = r->n;
+    const char *const *kbs = r->kbs;
+    const uint32_t *klens = r->klens;
+    PyObject *const *metas = r->metas;
+    const Py_buffer *views = r->views;
     PyObject *out = NULL;
     size_t ktotal = 0, mtotal = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -331,42 +357,31 @@ static PyObject *HotPath_mput(HotPath *self, PyObject *const *args, Py_ssize_t n
                    &expire_at) < 0)
         return NULL;
     PyObject *rows = args[0], *out = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(rows), got = 0;     /* got: views held */
-    const char **kbs = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
-    uint32_t *klens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
-    PyObject **metas = PyMem_Malloc((size_t)n * sizeof(PyObject *) + 1);
-    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
-    if (!kbs || !klens || !metas || !views) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Rows r;
+    if (rows_init(&r, PyList_GET_SIZE(rows)) < 0) goto done;
+    for (Py_ssize_t i = 0; i < r.n; i++) {
         PyObject *row = PyList_GET_ITEM(rows, i);
         if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4 || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 0))
             || !PyBytes_CheckExact(PyTuple_GET_ITEM(row, 1)) || !PyLong_CheckExact(PyTuple_GET_ITEM(row, 3))) {
             PyErr_Format(PyExc_TypeError, "mput: row %zd is not (key: bytes, meta: bytes, payload, nbytes: int)", i);
             goto done;
         }
-        if (PyObject_GetBuffer(PyTuple_GET_ITEM(row, 2), &views[i], PyBUF_SIMPLE) < 0) goto done;
-        got = i + 1;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(row, 2), &r.views[i], PyBUF_SIMPLE) < 0) goto done;
+        r.held = i + 1;
         long long nb = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 3));
-        if (nb != (long long)views[i].len) {
+        if (nb != (long long)r.views[i].len) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError, "mput: row %zd says %lld bytes, its payload has %zd", i, nb,
-                             views[i].len);
+                             r.views[i].len);
             goto done;
         }
-        kbs[i] = PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0));
-        klens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 0));
-        metas[i] = PyTuple_GET_ITEM(row, 1);
+        r.kbs[i] = PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 0));
+        r.klens[i] = (uint32_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(row, 0));
+        r.metas[i] = PyTuple_GET_ITEM(row, 1);
     }
-    out = store_rows(self, n, kbs, klens, metas, views, priority, expire_at);
+    out = store_rows(self, &r, priority, expire_at);
 done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(kbs);
-    PyMem_Free(klens);
-    PyMem_Free(metas);
-    PyMem_Free(views);
+    rows_free(&r);
     return out;
 }
 

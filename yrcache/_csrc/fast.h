@@ -74,8 +74,16 @@ static inline Flat *find_header(Flat *entries, int n, const char *meta, Py_ssize
 
 /* fast.c */
 const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen);
-PyObject *store_rows(HotPath *self, Py_ssize_t n, const char *const *kbs, const uint32_t *klens,
-                     PyObject *const *metas, const Py_buffer *views, long long priority, double expire_at);
+typedef struct {                 /* the rows of a batch put, gathered for store_rows */
+    Py_ssize_t n, held;          /* rows; views held so far (released by rows_free) */
+    const char **kbs;            /* key bytes (borrowed: the caller's objects hold them) */
+    uint32_t *klens;
+    PyObject **metas;            /* bytes headers (borrowed) */
+    Py_buffer *views;            /* payloads */
+} Rows;
+int rows_init(Rows *r, Py_ssize_t n);
+void rows_free(Rows *r);
+PyObject *store_rows(HotPath *self, const Rows *r, long long priority, double expire_at);
 int batch_args(HotPath *self, PyObject *const *args, Py_ssize_t nargs, const char *usage, long long *priority,
                double *expire_at);
 

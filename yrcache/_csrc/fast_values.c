@@ -204,42 +204,31 @@ PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     PyObject *pairs = args[0], *out = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(pairs), got = 0;    /* got: views held */
-    const char **kbs = PyMem_Malloc((size_t)n * sizeof(char *) + 1);
-    uint32_t *klens = PyMem_Malloc((size_t)n * sizeof(uint32_t) + 1);
-    PyObject **metas = PyMem_Malloc((size_t)n * sizeof(PyObject *) + 1);
-    Py_buffer *views = PyMem_Malloc((size_t)n * sizeof(Py_buffer) + 1);
-    if (!kbs || !klens || !metas || !views) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Rows r;
+    if (rows_init(&r, PyList_GET_SIZE(pairs)) < 0) goto done;
+    for (Py_ssize_t i = 0; i < r.n; i++) {
         PyObject *pair = PyList_GET_ITEM(pairs, i);
         Py_ssize_t klen;
         if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
-            !(kbs[i] = key_of(self, PyTuple_GET_ITEM(pair, 0), &klen))) {
+            !(r.kbs[i] = key_of(self, PyTuple_GET_ITEM(pair, 0), &klen))) {
             out = Py_NewRef(Py_False);
             goto done;
         }
-        klens[i] = (uint32_t)klen;
-        int r = value_view(self, PyTuple_GET_ITEM(pair, 1), &views[i], &metas[i]);
-        if (r <= 0) {
-            out = Py_NewRef(r == 0 ? Py_None : Py_False);
+        r.klens[i] = (uint32_t)klen;
+        int found = value_view(self, PyTuple_GET_ITEM(pair, 1), &r.views[i], &r.metas[i]);
+        if (found <= 0) {
+            out = Py_NewRef(found == 0 ? Py_None : Py_False);
             goto done;
         }
-        got = i + 1;
-        if (views[i].len > small) {
+        r.held = i + 1;
+        if (r.views[i].len > small) {
             out = Py_NewRef(Py_False);
             goto done;
         }
     }
-    out = store_rows(self, n, kbs, klens, metas, views, priority, expire_at);
+    out = store_rows(self, &r, priority, expire_at);
 done:
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(kbs);
-    PyMem_Free(klens);
-    PyMem_Free(metas);
-    PyMem_Free(views);
+    rows_free(&r);
     return out;
 }
 
