@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Iterable, Iterator, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -27,7 +27,7 @@ from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
 from .store_ops import StoreOps, learn_flat, learn_view, unpin_hits
-from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
+from .validate import expire_at as _expire_at, key_bytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
 
@@ -302,28 +302,6 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             return
         meta, payload, nbytes = codec.encode(value, self._pickle)
         self._placement.put(kb, meta, payload, nbytes, priority, expire_at, tier)
-
-    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Callable[[np.ndarray], None] | Any, *,
-                 priority: int = 0, ttl: float | None = None, tier: Tier | None = None) -> None:
-        """Reserve ``nbytes`` for ``key``, let ``fill(view)`` write them, then publish.
-
-        ``view`` is a writable flat uint8 ndarray over the arena block; ``fill``
-        may cast or copy from a device straight into it (one copy in all).  If
-        ``fill`` raises, nothing becomes visible.  ``meta`` comes from
-        ``codec.tensor_meta``/``codec.array_meta``.  ``fill`` may also be a
-        contiguous buffer of ``nbytes`` to copy (an already encoded payload).
-        ``tier``: DRAM (the default) or SSD; these bytes are host memory, so HBM
-        means DRAM here.
-        """
-        a = self._a
-        t = self._check_tier(tier)
-        nbytes = payload_nbytes(key, fill, nbytes)
-        codec.check_header(meta, nbytes)
-        if tier is None and ttl is None and priority == 0 and type(priority) is int and not callable(fill) \
-                and self._placement.direct and a.hot.put(key, meta, fill, a.prefaulted):
-            return     # an encoded buffer into DRAM in one C call
-        self._placement.put(key_bytes(key), meta, fill, nbytes, _priority(priority), _expire_at(ttl),
-                            None if t == Tier.HBM else t)
 
     def __setitem__(self, key: str, value: Value) -> None:
         """``store[key] = value``: ``put(key, value)`` with the default options."""

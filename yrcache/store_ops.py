@@ -1,7 +1,8 @@
 """The store's operations beside the mapping protocol: what is where, stats,
-checks, named words and memory hints.  ``TieredStore`` inherits them
-(``store.py`` keeps the facade's core: puts, reads, deletes, keys, life cycle),
-and ``get_raw``/``get_into``, reads of the stored bytes.
+checks, named words and memory hints; puts of several values or of encoded
+payloads (``mset``, ``put_with``, ``mput_raw``) and reads of the stored bytes
+(``get_raw``, ``mget_raw``, ``get_into``).  ``TieredStore`` inherits them
+(``store.py`` keeps the facade's core: ``put``, reads, deletes, keys, life cycle).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -223,6 +224,28 @@ class StoreOps:
                     self._a.hot.learn(v, row[1])
                 rest.append(row)
         self._put_rows(rest, priority, expire_at, tier, tier != Tier.SSD)
+
+    def put_with(self, key: str, meta: bytes, nbytes: int, fill: Callable[[np.ndarray], None] | Any, *,
+                 priority: int = 0, ttl: float | None = None, tier: Tier | None = None) -> None:
+        """Reserve ``nbytes`` for ``key``, let ``fill(view)`` write them, then publish.
+
+        ``view`` is a writable flat uint8 ndarray over the arena block; ``fill``
+        may cast or copy from a device straight into it (one copy in all).  If
+        ``fill`` raises, nothing becomes visible.  ``meta`` comes from
+        ``codec.tensor_meta``/``codec.array_meta``.  ``fill`` may also be a
+        contiguous buffer of ``nbytes`` to copy (an already encoded payload).
+        ``tier``: DRAM (the default) or SSD; these bytes are host memory, so HBM
+        means DRAM here.
+        """
+        a = self._a
+        t = self._check_tier(tier)
+        nbytes = payload_nbytes(key, fill, nbytes)
+        codec.check_header(meta, nbytes)
+        if tier is None and ttl is None and priority == 0 and type(priority) is int and not callable(fill) \
+                and self._placement.direct and a.hot.put(key, meta, fill, a.prefaulted):
+            return     # an encoded buffer into DRAM in one C call
+        self._placement.put(key_bytes(key), meta, fill, nbytes, _priority(priority), _expire_at(ttl),
+                            None if t == Tier.HBM else t)
 
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,
                  ttl: float | None = None, tier: Tier | None = None) -> None:

@@ -22,7 +22,6 @@ import uuid
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -36,6 +35,7 @@ from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
 from .records import Mirror, SharedWord
+from .settings import ENV_TRUE, check_tier, env_int, parse_cluster
 from .sharing import NodeSharing
 from .replication import Router, decode
 
@@ -55,32 +55,6 @@ def _close_all() -> None:
             pass
 
 _MISSING = object()
-_ENV_TRUE = ("1", "true", "yes", "on")
-
-
-def parse_cluster(cluster: str | None) -> tuple[str, str]:
-    """``etcd://h:p[,h:p]/name`` (or the environment) -> ``(endpoints, cluster name)``."""
-    if cluster:
-        if not isinstance(cluster, str) or not cluster.startswith("etcd://"):
-            raise ValueError(f"cluster= takes 'etcd://host:port[,host:port]/name', got {cluster!r}")
-        u = urlparse(cluster)
-        name = u.path.strip("/") or os.environ.get("YRCACHE_CLUSTER") or "default"
-        return u.netloc, name
-    endpoints = os.environ.get("YRCACHE_ETCD")
-    if not endpoints:
-        raise ValueError("no etcd to join: pass cluster='etcd://host:port/name' or set YRCACHE_ETCD "
-                         "(and YRCACHE_CLUSTER) in the environment")
-    return endpoints, os.environ.get("YRCACHE_CLUSTER") or "default"
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
 class ClusterStore(NodeSharing, TieredStore):
@@ -118,13 +92,13 @@ class ClusterStore(NodeSharing, TieredStore):
         self._args = dict(name=name, cluster=cluster, listen=listen, replicas=replicas, write_mode=write_mode,
                           member=member, token=token, lease_ttl=lease_ttl, pickle=pickle, **local)
         self._pickle = bool(pickle)
-        self.replicas = replicas if replicas is not None else _env_int("YRCACHE_REPLICAS", 2)
+        self.replicas = replicas if replicas is not None else env_int("YRCACHE_REPLICAS", 2)
         if not isinstance(self.replicas, int) or not 1 <= self.replicas <= 16:
             raise ValueError(f"replicas must be an int from 1 to 16, got {self.replicas!r}")
         self._mode_default: WriteMode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
             or WriteMode.WRITE_THROUGH
         if member is None:
-            member = os.environ.get("YRCACHE_MEMBER", "1").lower() in _ENV_TRUE
+            member = os.environ.get("YRCACHE_MEMBER", "1").lower() in ENV_TRUE
         tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
         token_b = tok.encode() if tok else None
         ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
@@ -255,7 +229,7 @@ class ClusterStore(NodeSharing, TieredStore):
         key_bytes(key)
         meta, payload, nbytes = self._encode(value)
         self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
-                         self._mode(write_mode), sync_timeout, _tier(tier))
+                         self._mode(write_mode), sync_timeout, check_tier(tier))
         self._ops["puts"] += 1
 
     def put_with(self, key: str, meta: bytes, nbytes: int, fill: Any, *, priority: int = 0,
@@ -275,7 +249,7 @@ class ClusterStore(NodeSharing, TieredStore):
         else:
             buf = fill
         self._router.put(key, meta, buf, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
-                         self._mode(write_mode), sync_timeout, _tier(tier))
+                         self._mode(write_mode), sync_timeout, check_tier(tier))
         self._ops["puts"] += 1
 
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,
@@ -319,7 +293,7 @@ class ClusterStore(NodeSharing, TieredStore):
             item = (k, meta, payload, nbytes, (hlc + i, writer), pr, exp)    # one tuple for all owners
             for m in targets:
                 by_member.setdefault(m, []).append(item)
-        t = _tier(tier)
+        t = check_tier(tier)
         if t is not None:
             flags |= (int(t) + 1) << tp.TIER_SHIFT
         failed = router.fan_out(by_member, flags, sync_timeout)
@@ -597,14 +571,6 @@ class ClusterStore(NodeSharing, TieredStore):
 
 
 TieredStore._cluster_class = ClusterStore
-
-
-def _tier(tier: Tier | None) -> Tier | None:
-    if tier is None:
-        return None
-    if not isinstance(tier, Tier):
-        raise TypeError(f"tier must be a yrcache.Tier, not {type(tier).__name__}")
-    return tier
 
 
 def _rebuild(args: dict) -> ClusterStore:

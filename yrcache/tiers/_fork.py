@@ -69,7 +69,7 @@ def _adopt_in_child(arena) -> None:
     arena._lock = threading.Lock()
     arena.is_owner = False   # ownership stays with the process that created the store
     arena.handle = False     # the parent's handle; a child's store object re-opens it
-    arena.reopen_fd()
+    _reopen_fd(arena)
     parent, parent_slot = arena.pid, arena._slot
     handed = getattr(arena, "fork_pins", [])
     unpinned = getattr(arena, "fork_unpinned", 0)
@@ -89,6 +89,19 @@ def _adopt_in_child(arena) -> None:
         if arena.transfer_pin(pin, parent_slot):
             arena.remap[(parent, old)] = pin
             arena.views[pin] = block
+
+
+def _reopen_fd(arena) -> None:
+    """A descriptor of the child's own: an inherited one shares the parent's open
+    file description, and with it the parent's slot lock."""
+    if arena._fd < 0:
+        return
+    try:
+        fd = os.open(f"/proc/self/fd/{arena._fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    os.close(arena._fd)
+    arena._fd = fd
 
 
 def _detach_all() -> None:

@@ -15,7 +15,7 @@ import json
 import os
 import threading
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -24,15 +24,15 @@ from .._fast import HotPath
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
-from .segment import (SHM_DIR, check_name, check_trusted, creation_done, destroy, list_stores,  # noqa: F401
-                      no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
+from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, records, split_keys
+from .segment import (SHM_DIR, allocate, check_name, check_trusted, creation_done, destroy,  # noqa: F401
+                      list_stores, no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
 # The C core's constants (one definition, in _csrc/arena.h).
 TIER_HBM, TIER_DRAM, TIER_SSD = lib.YR_TIER_HBM, lib.YR_TIER_DRAM, lib.YR_TIER_SSD
 FLAG_WANTED = lib.YR_FLAG_WANTED
 PIN, QUIET = lib.YR_PIN, lib.YR_QUIET
 C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.YR_C_EVICTIONS
-ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
 MIN_SIZE = lib.yr_arena_min_size()
 
 ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "no room left for the pin of another "
@@ -50,30 +50,6 @@ def check(rc: int, what: str) -> int:
     if rc < 0:
         raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
     return rc
-
-
-class ScanRec(NamedTuple):
-    """What the index says about one object (a copy)."""
-
-    seq: int
-    nbytes: int
-    block_size: int
-    priority: int
-    access_count: int
-    last_access: float
-    expire_at: float
-    tier: int
-    pins: int
-    gen: int
-    holder: int
-    flags: int
-
-
-def _records(recs, keys, kbuf: int, n: int) -> list[tuple[ScanRec, str]]:
-    """(record, key) of the first ``n`` ``yr_scanrec``s of a scan or drain."""
-    raw = ffi.buffer(keys, kbuf)
-    return [(ScanRec(*(getattr(r, f) for f in ScanRec._fields)), raw[r.key_pos:r.key_pos + r.klen].decode())
-            for r in (recs[i] for i in range(n))]
 
 
 class Reservation:
@@ -161,14 +137,6 @@ class Word:
 
 
 _tls = threading.local()
-#: A DRAM object whose header and payload fit in this many bytes is copied out
-#: by a read instead of pinned: copying 4 KiB costs less than a pin and its release.
-SMALL_READ = 4096 + 256   # a 4 KiB value and its header
-#: Room for the small objects one ``mread`` copies out (larger batches pin the rest).
-MREAD_BYTES = 1 << 16
-#: A mapping that was not prefaulted maps the pages of a copy at least this big
-#: in one call first, instead of taking a fault per 4 KiB page during the copy.
-POPULATE_MIN = 1 << 20
 
 
 def _scratch():
@@ -261,12 +229,7 @@ class Arena:
             if rc != -errno.EINVAL:     # EINVAL: a kernel without MADV_POPULATE_WRITE
                 raise no_room(self.name, self.size, "its pages could not be allocated" if rc in (-errno.EFAULT, -errno.ENOMEM)
                                     else os.strerror(-rc))
-        try:
-            os.posix_fallocate(self._fd, 0, self.size)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
-                raise
-            raise no_room(self.name, self.size, e.strerror) from None
+        allocate(self._fd, self.name, self.size)
         return lib.yr_map(self._fd, self.size, int(prefault))
 
     # ------------------------------------------------------------ settings
@@ -323,18 +286,6 @@ class Arena:
                 if self.pid != os.getpid():
                     self.register()
         return self._slot
-
-    def reopen_fd(self) -> None:
-        """A descriptor of our own: an inherited one shares the parent's open
-        file description, and with it the parent's slot lock."""
-        if self._fd < 0:
-            return
-        try:
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            fd = -1
-        os.close(self._fd)
-        self._fd = fd
 
     # --------------------------------------------------------------- pins
 
@@ -530,12 +481,7 @@ class Arena:
             _, _, more, _, _, buf = _scratch()[:6]      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
             check(n, "keys")
-            raw, last = ffi.buffer(buf, size), not more[0]
-            out, pos = [], 0
-            for _ in range(n):
-                klen = int.from_bytes(raw[pos:pos + 4], "little")
-                out.append(raw[pos + 4:pos + 4 + klen])
-                pos += 4 + klen
+            out, last = split_keys(ffi.buffer(buf, size), n), not more[0]
             yield from (k.decode() for k in out)
             if last:
                 return
@@ -557,7 +503,7 @@ class Arena:
                 keys = ffi.new("char[]", kbuf)
                 continue
             check(n, "scan")
-            yield from _records(recs, keys, kbuf, n)   # copied out: the buffers are reused
+            yield from records(recs, ffi.buffer(keys, kbuf), n)   # copied out: the buffers are reused
             if cursor[0] == 0:
                 return
 
@@ -568,7 +514,7 @@ class Arena:
         recs, keys, n, done = ffi.new("yr_scanrec[]", 256), ffi.new("char[]", 256 * 1024), 256, 0
         while n == 256 and lib.yr_retired_pending(self.base):
             n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
-            batch = _records(recs, keys, 256 * 1024, n)
+            batch = records(recs, ffi.buffer(keys, 256 * 1024), n)
             for rec, _key in batch:
                 free(rec)
             lib.yr_release_retired(self.base, [rec.gen for rec, _key in batch], n)

@@ -1,10 +1,11 @@
-"""Shared-memory segments by name: naming, opening owner-only, trust, removal.
+"""Shared-memory segments by name: naming, opening owner-only, allocation, trust, removal.
 
 No C here: ``dram.py`` maps what this opens.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -128,6 +129,17 @@ def open_segment(name: str, create: bool, size: int) -> tuple[int, bool]:
 def creation_done(fd: int) -> None:
     """This process is registered in the arena: release open_segment's flock."""
     fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+def allocate(fd: int, name: str, size: int) -> None:
+    """Give the new segment ``fd`` all its memory now: an over-committed /dev/shm
+    fails here with StoreFullError, not later with SIGBUS at a first write."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        raise no_room(name, size, e.strerror) from None
 
 
 def no_room(name: str, size: int, why: str | None) -> StoreFullError:

@@ -1,0 +1,49 @@
+"""Where a cluster store's settings come from: ``cluster=`` or the ``YRCACHE_*``
+environment (``ClusterStore.__init__`` reads the rest), and the checks of its
+arguments that the embedded store does not make.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from ..config import Tier
+
+#: What ``YRCACHE_MEMBER`` (and other boolean variables) count as true.
+ENV_TRUE = ("1", "true", "yes", "on")
+
+
+def parse_cluster(cluster: str | None) -> tuple[str, str]:
+    """``etcd://h:p[,h:p]/name`` (or the environment) -> ``(endpoints, cluster name)``."""
+    if cluster:
+        if not isinstance(cluster, str) or not cluster.startswith("etcd://"):
+            raise ValueError(f"cluster= takes 'etcd://host:port[,host:port]/name', got {cluster!r}")
+        u = urlparse(cluster)
+        name = u.path.strip("/") or os.environ.get("YRCACHE_CLUSTER") or "default"
+        return u.netloc, name
+    endpoints = os.environ.get("YRCACHE_ETCD")
+    if not endpoints:
+        raise ValueError("no etcd to join: pass cluster='etcd://host:port/name' or set YRCACHE_ETCD "
+                         "(and YRCACHE_CLUSTER) in the environment")
+    return endpoints, os.environ.get("YRCACHE_CLUSTER") or "default"
+
+
+def env_int(name: str, default: int) -> int:
+    """The integer in the environment variable ``name``, ``default`` when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def check_tier(tier: Tier | None) -> Tier | None:
+    """``tier=`` of a write, checked here: each owner applies it to its own store."""
+    if tier is None:
+        return None
+    if not isinstance(tier, Tier):
+        raise TypeError(f"tier must be a yrcache.Tier, not {type(tier).__name__}")
+    return tier
