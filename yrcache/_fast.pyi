@@ -1,6 +1,16 @@
 # Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c, fast_values.c).
 from typing import Any, Literal
 
+def keys_valid(keys: list, max_key: int, /) -> bool:
+    """Every key an exact str of 1 to ``max_key`` UTF-8 bytes without NUL (False: check them
+    one by one, for the error)."""
+def wire_entries(keys: list, max_key: int, /) -> bytes | None:
+    """An MGET request body (cluster/wire.py's entry list, versions 0) for keys ``keys_valid``
+    accepts; None for any other."""
+def wire_items(body: bytearray, n: int, max_meta: int, got: type, /) -> list | None:
+    """The ``n`` items of an MGET reply body, each None or ``got(meta, view of body, (hlc,
+    writer), -1)``; None for a malformed body."""
+
 class HotPath:
     """Small gets and puts of one arena mapping, each in one C call (made by tiers/dram.py)."""
 
@@ -55,5 +65,10 @@ class HotPath:
         """From now on ``put_value`` stores ndarrays of this one's layout under ``meta`` (32
         layouts, the oldest replaced); False for a layout a buffer cannot describe here, or
         for anything but a plain ndarray (bytes have a buffer layout too, not an array header)."""
+    def mreply(self, body: Any, versions: dict, /) -> tuple[int, bytes] | Literal[False]:
+        """A cluster MGET's reply body for the request body ``body`` (cluster/wire.py's entry
+        list), read in one lock hold and copied into one bytes object, each key's version from
+        ``versions`` (key -> (hlc, writer)), and how many keys it answers; False: take the
+        general path (an object outside DRAM, pickled or over 64 KiB; a malformed list)."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""

@@ -317,6 +317,17 @@ class StoreOps:
             raise
         return out
 
+    def mget_wire(self, body: bytearray, versions: dict[str, tuple[int, int]]) -> tuple[int, bytes] | None:
+        """A cluster member's MGET reply for the request body ``body`` (``cluster/wire.py``:
+        item header, codec header and payload per key, each version from ``versions``),
+        read under one lock hold and copied into one ``bytes`` in C, with how many keys it
+        answers; None when the general path must answer (``mget_raw``: an object outside
+        DRAM, a large or pickled one, a malformed list)."""
+        if self._hbm is not None:
+            return None
+        got = self._a.hot.mreply(body, versions)
+        return None if got is False else got
+
     def get_into(self, key: str, out: _Out) -> _Out:
         """Copy the value of ``key`` into ``out`` (ndarray, tensor on any device, or buffer).
 

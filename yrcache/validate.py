@@ -10,6 +10,8 @@ import operator
 import time
 from typing import Any
 
+from ._fast import keys_valid
+
 MAX_KEY_BYTES = 1024
 _I64 = 1 << 63
 
@@ -32,6 +34,14 @@ def key_bytes(key: Any) -> bytes:
     if len(kb) > MAX_KEY_BYTES:
         raise ValueError(f"key is {len(kb)} UTF-8 bytes; keys may be at most {MAX_KEY_BYTES} bytes")
     raise ValueError(f"key {key[:40]!r} contains a NUL character, which keys may not")
+
+
+def check_keys(keys: list) -> None:
+    """:func:`key_bytes` for every key of a list: one C call when they are all plain valid
+    ``str`` keys (a batch read's 100 keys: ~2 us, not ~50), else key by key for the error."""
+    if not keys_valid(keys, MAX_KEY_BYTES):
+        for k in keys:
+            key_bytes(k)
 
 
 def priority(priority: Any) -> int:

@@ -474,6 +474,10 @@ static PyMethodDef HotPath_methods[] = {
      "shaped(meta, dtype, itemsize, shape, frombuffer) -> True: from now on get and mget build a "
      "pinned value with this ndarray header as frombuffer(pinned bytes, dtype), reshaped to shape "
      "unless it is None (16 headers, the oldest replaced)."},
+    {"mreply", (PyCFunction)(void (*)(void))HotPath_mreply, METH_FASTCALL,
+     "mreply(body, versions) -> (n, reply body) | False: a cluster member's MGET reply for the "
+     "request body (its entry list), read in one lock hold and copied into one bytes object, "
+     "versions from the dict; False: take the general path (nothing stays pinned)."},
     {"close", (PyCFunction)HotPath_close, METH_NOARGS,
      "close(): forget the mapping; later calls return False."},
     {NULL, NULL, 0, NULL},
@@ -502,7 +506,7 @@ static PyTypeObject HotPathType = {
 
 static struct PyModuleDef fastmodule = {
     PyModuleDef_HEAD_INIT, "yrcache._fast", "The hot paths of get, put and mget (see _csrc/fast.c).",
-    -1, NULL,
+    -1, wire_functions,
 };
 
 PyMODINIT_FUNC PyInit__fast(void) {

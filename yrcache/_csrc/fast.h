@@ -96,4 +96,8 @@ PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t n
 PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* fast_wire.c */
+PyObject *HotPath_mreply(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+extern PyMethodDef wire_functions[];   /* module functions: MGET requests and replies of a pure client */
+
 #endif

@@ -193,6 +193,9 @@ class Node(tp.Handler):
         get, new, Got = self.versions.get, tuple.__new__, tp.Got
         return [None if r is None else new(Got, (r[0], r[1], get(k, (0, 0)), -1)) for k, r in zip(keys, raw)]
 
+    def mget_reply(self, body: bytearray) -> tuple[int, bytes] | None:
+        return self.local.mget_wire(body, self.versions)
+
     def delete(self, f: tp.Frame) -> int:
         return self.remove(f.key, f.version)
 

@@ -14,9 +14,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._fast import wire_entries, wire_items
 from ..errors import AuthenticationError, ClusterUnavailableError
 from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
-                   MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
+                   MAX_KEY, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
                    STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
                    encode_entries, encode_spans, pack, proof, read_frame, recv_exact, spans_nbytes, split_address)
 
@@ -97,26 +98,13 @@ class Conn:
             raise ProtocolError(f"asked for {n} keys, got {f.length}")
         RECEIVED.add(f.plen)
         out: list[Got | None] = []
-        if f.plen <= SMALL_REPLY:             # one read, values are slices of it
+        if f.plen <= SMALL_REPLY:             # one read, values are slices of it (parsed in C)
             body = bytearray(f.plen)
             self.rd.readinto(body)
-            view = memoryview(body)
-            pos, size, unpack, new = 0, _GOT_ITEM.size, _GOT_ITEM.unpack_from, tuple.__new__
-            meta = b""                        # the items of a batch mostly share a header: one object
-            for _ in range(n):
-                found, mlen, nbytes, hlc, writer = unpack(body, pos)
-                pos += size
-                if not found:
-                    out.append(None)
-                    continue
-                end = pos + mlen
-                if mlen > MAX_META or end + nbytes > f.plen:
-                    raise ProtocolError("a bad item in an mget reply")
-                if view[pos:end] != meta:
-                    meta = bytes(view[pos:end])
-                out.append(new(Got, (meta, view[end:end + nbytes], (hlc, writer), -1)))
-                pos = end + nbytes
-            return out
+            items = wire_items(body, n, MAX_META, Got)
+            if items is None:
+                raise ProtocolError("a bad item in an mget reply")
+            return items
         for _ in range(n):
             found, mlen, nbytes, hlc, writer = _GOT_ITEM.unpack(self.rd.take(_GOT_ITEM.size))
             if not found:
@@ -132,7 +120,9 @@ class Conn:
         return out
 
     def send_mget(self, keys: Sequence[str]) -> None:
-        body = encode_entries((k, (0, 0)) for k in keys)
+        body = wire_entries(keys if type(keys) is list else list(keys), MAX_KEY)
+        if body is None:                      # a key the store does not take: the encoder says which
+            body = encode_entries((k, (0, 0)) for k in keys)
         self.sock.sendall(pack(MGET, plen=len(body)) + body)
 
 

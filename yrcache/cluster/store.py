@@ -30,7 +30,7 @@ from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError, StoreNotFoundError
 from ..store import TieredStore
 from ..types import Value
-from ..validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
+from ..validate import check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
@@ -352,8 +352,7 @@ class ClusterStore(NodeSharing, TieredStore):
         """Values of ``keys`` (None where missing): local ones zero-copy, the rest pipelined per owner."""
         self._check_open()
         keys = list(keys)
-        for k in keys:
-            key_bytes(k)
+        check_keys(keys)
         out: list[Any] = [None] * len(keys)
         router = self._router
         todo: list[int] | range = range(len(keys))
@@ -397,8 +396,7 @@ class ClusterStore(NodeSharing, TieredStore):
         node's copies in place, the rest received from their owners as ``mget`` does."""
         self._check_open()
         keys = list(keys)
-        for k in keys:
-            key_bytes(k)
+        check_keys(keys)
         out: list[tuple[bytes, memoryview] | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         if self._local is not None and self._router.member_id in self._router.members:

@@ -86,6 +86,11 @@ class Handler:
                 out.append(None)
         return out
 
+    def mget_reply(self, body: bytearray) -> tuple[int, bytes] | None:
+        """The whole reply body of an MGET whose request body (its entry list) is ``body``,
+        and how many keys it answers, in one piece; None: answer it key by key (``get_many``)."""
+        return None
+
     def delete(self, f: Frame) -> int:
         raise NotImplementedError
 
@@ -356,6 +361,11 @@ class Server:
         """Read a batch: the reply's body is an item header, meta and payload per key."""
         body = bytearray(f.plen)
         rd.readinto(body)
+        whole = self.handler.mget_reply(body)
+        if whole is not None:                   # built in one C call (small objects, all in DRAM)
+            out.append(pack(MGET, plen=len(whole[1]), length=whole[0]))
+            out.append(whole[1])
+            return
         keys = decode_entries(body)
         if len(keys) > MAX_BATCH:
             raise ProtocolError(f"an mget of {len(keys)} keys (at most {MAX_BATCH})")
