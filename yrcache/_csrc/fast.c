@@ -68,14 +68,7 @@ static int HotPath_init(HotPath *self, PyObject *args, PyObject *kwds) {
 
 /* The UTF-8 bytes of a valid key (cached in the str: no copy), or NULL. */
 const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen) {
-    if (!self->base || !self->slot || !PyUnicode_CheckExact(key)) return NULL;
-    const char *kb = PyUnicode_AsUTF8AndSize(key, klen);
-    if (!kb) {                       /* lone surrogates: the general path says so */
-        PyErr_Clear();
-        return NULL;
-    }
-    if (*klen == 0 || *klen > self->max_key || memchr(kb, 0, (size_t)*klen)) return NULL;
-    return kb;
+    return self->base && self->slot ? plain_key(key, self->max_key, klen) : NULL;
 }
 
 /* A small value copied out to `p` (its header, then its payload): with `views`, a

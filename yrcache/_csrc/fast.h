@@ -98,6 +98,7 @@ PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* fast_wire.c */
 PyObject *HotPath_mreply(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
+const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen);
 extern PyMethodDef wire_functions[];   /* module functions: MGET requests and replies of a pure client */
 
 #endif

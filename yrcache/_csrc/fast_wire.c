@@ -21,6 +21,20 @@
 #define MREPLY_MAX 4096            /* wire.MAX_BATCH */
 #define MREPLY_COPY (64 << 10)     /* a pinned object up to this size is copied into the reply */
 
+/* The UTF-8 bytes of `key` if it is a key the store takes (an exact str of 1 to
+ * `max_key` UTF-8 bytes without NUL: validate.key_bytes's rule), else NULL and
+ * no error set (the Python check words the error; lone surrogates included).
+ * HotPath.key_of uses it too. */
+const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen) {
+    if (!PyUnicode_CheckExact(key)) return NULL;
+    const char *kb = PyUnicode_AsUTF8AndSize(key, klen);
+    if (!kb) {
+        PyErr_Clear();
+        return NULL;
+    }
+    return *klen > 0 && *klen <= max_key && !memchr(kb, 0, (size_t)*klen) ? kb : NULL;
+}
+
 /* (hlc, writer) of `key` in `versions`, (0, 0) when absent; -1 with an error set. */
 static int version_of(PyObject *versions, const char *kb, uint32_t klen, uint64_t *hlc, uint64_t *writer) {
     *hlc = *writer = 0;
@@ -139,19 +153,6 @@ done:
 general:
     PyBuffer_Release(&body);
     Py_RETURN_FALSE;
-}
-
-/* The UTF-8 bytes of `key` if it is a key the store takes (an exact str of 1 to
- * `max_key` UTF-8 bytes without NUL: validate.key_bytes's rule), else NULL and
- * no error set (the Python check words the error). */
-static const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen) {
-    if (!PyUnicode_CheckExact(key)) return NULL;
-    const char *kb = PyUnicode_AsUTF8AndSize(key, klen);
-    if (!kb) {
-        PyErr_Clear();
-        return NULL;
-    }
-    return *klen > 0 && *klen <= max_key && !memchr(kb, 0, (size_t)*klen) ? kb : NULL;
 }
 
 static PyObject *keys_valid(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
