@@ -29,7 +29,8 @@ the two interleaved where that makes sense; medians after a warm-up):
 5. 1 KiB values, sequential, one pure client (replicas=2, write-through): put/s
    and get/s on one overwritten key and on many keys, vs redis-py SET/GET on one
    connection; ``mset``/``mget`` of 100 keys vs a Redis pipeline of 100 SET / one
-   MGET; a get of a missing key and an mget of 100 missing keys vs Redis's.
+   MGET (and ``mget`` back to back, with the CPU each costs client and servers);
+   a get of a missing key and an mget of 100 missing keys vs Redis's.
 6. fail-over: 4 members, replicas=2, write-through, 10,000 objects of 100 KiB
    (~1 GiB; --quick: 1,000, ~100 MiB); SIGKILL one member and poll every live
    member's key list over its data port until every key is on 2 live members,
@@ -159,6 +160,13 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str, step: float 
 
 
 # ------------------------------------------------------------ external servers
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 class Redis:
     """A redis-server on a free loopback port, nothing persisted."""
@@ -751,6 +759,21 @@ class Bench:
                     t_rmget.append(t2 - t1)
         if any(g is None or bytes(g) != value for g in got) or any(g != value for g in rgot):
             raise RuntimeError("batches: a value read back differs")
+        # back to back (info): the same mget over and over, and the CPU each costs this process
+        # and the servers (the members / redis-server: user + system time from /proc)
+        servers = {"yr": [nd.proc.pid for nd in self.nodes if nd.proc is not None], "rd": [self.redis.proc.pid]}
+        b2b: dict[str, list] = {"yr": [], "rd": []}
+        cpu: dict[str, float] = {}
+        runs = cfg.batch_reps * 3
+        for which, fn in (("yr", lambda: c.mget(bkeys)), ("rd", lambda: r.mget(bkeys))):
+            s0, me0 = [proc_cpu(p) for p in servers[which]], time.process_time()
+            for _ in range(runs):
+                t0 = pc()
+                fn()
+                b2b[which].append(pc() - t0)
+            cpu[f"{which}_client"] = (time.process_time() - me0) / runs
+            cpu[f"{which}_servers"] = sum(proc_cpu(p) - t for p, t in zip(servers[which], s0)) / runs
+        out.update(mget_b2b=b2b["yr"], redis_mget_b2b=b2b["rd"], mget_b2b_cpu=cpu)
         # misses: a key nobody holds is asked of its first owner, then of every other member at once
         mkeys = [f"none/{i:04d}" for i in range(b)]
         t_miss, t_rmiss, t_mmiss, t_rmmiss = [], [], [], []
@@ -979,6 +1002,14 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
             row(text, f"{U.fmt_ns(y)} = {U.fmt_rate(b / (y / 1e9), 'keys/s')}",
                 f"{U.fmt_ns(rd)} = {U.fmt_rate(b / (rd / 1e9), 'keys/s')}", rd / y, f"> {SMALL_TARGET:g}x",
                 rd / y > SMALL_TARGET, yr_median_ns=y, base_median_ns=rd)
+    if sm.get("mget_b2b"):
+        b, cpu = cfg.batch, sm["mget_b2b_cpu"]
+        y, rd = U.median(sm["mget_b2b"]), U.median(sm["redis_mget_b2b"])
+        row(f"mget {b} x 1 KiB back to back (info) vs redis MGET {b} back to back",
+            f"{U.fmt_ns(y)}; CPU per mget: client {U.fmt_ns(cpu['yr_client'] * 1e9)}, "
+            f"members {U.fmt_ns(cpu['yr_servers'] * 1e9)}",
+            f"{U.fmt_ns(rd)}; CPU per MGET: client {U.fmt_ns(cpu['rd_client'] * 1e9)}, "
+            f"redis-server {U.fmt_ns(cpu['rd_servers'] * 1e9)}", rd / y, yr_median_ns=y, base_median_ns=rd)
     if sm.get("get_miss"):
         b = cfg.batch
         for yk, rk, text in (("get_miss", "redis_get_miss", "get of a missing key (info) vs redis GET of one"),
@@ -1031,7 +1062,10 @@ async:  TieredStore(cluster=..., member=True) in this process, joined to the 3 n
         redis-py (one connection, redis-server {redis_version}). yrcache: pure client (member=False),
         replicas=2 write-through unless stated (a put goes to both owners in one round trip, and both
         members must do their work, on the same 2 CPUs; a Redis SET is one process).
-batch:  {batch} keys; median of {batch_reps} batches; redis: pipeline(transaction=False) of SETs, one MGET.
+batch:  {batch} keys; median of {batch_reps} batches, each mget right after its mset; redis:
+        pipeline(transaction=False) of SETs, one MGET. Back to back (info): {batch_reps}x3 mgets in
+        a row, then as many MGETs; CPU per call (user + system, /proc) of this process and of the
+        members / redis-server.
 fail-over: 4 nodes, replicas=2, write-through; {fo_n} objects loaded with mset; SIGKILL one node at t=0;
         every ~0.1 s each survivor's KEYS list is read over its data port (Peer.keys), until every key
         is on >= 2 survivors. A spawned reader reads random keys through a pure client (pause
