@@ -163,6 +163,42 @@ def test_async_writes_reach_the_other_owner_without_a_flush(harness):
                      "the second copies of a burst")
 
 
+def test_a_members_own_async_puts_replicate_and_lose_to_newer_versions(harness, store_name):
+    """An ASYNC put by an in-process member into its own arena (the local store's one C
+    call, then the forwarder) reaches the other owner, and keeps the version rule: a
+    write this member already holds a newer version of is dropped, not stored over it."""
+    harness.start(2)
+    m = TieredStore(cluster=f"etcd://{harness.etcd.endpoint}/{harness.cluster}", member=True, name=store_name,
+                    dram="64MiB", lease_ttl=TTL, replicas=2)
+    try:
+        with harness.client(replicas=2) as c:
+            harness.wait_members(c, 3)
+            me = m._router.member_id
+            mine = [f"own/{i}" for i in range(200) if me in m._router.owners(f"own/{i}")][:20]
+            values = {k: (value(i) if i % 2 else value(i).tobytes()) for i, k in enumerate(mine)}
+            for k, v in values.items():
+                m.put(k, v, write_mode="async")
+            m.flush(30)
+            copies = harness.copies()
+            assert all(copies.get(k) == 1 for k in mine), copies        # on the other owner (a node process)
+            for k, v in values.items():
+                assert bytes(c.get(k)) == bytes(memoryview(v).cast("B"))
+            # a concurrent writer's newer version lands between this put's clock reading and
+            # its store (the clock is made to hand out the version it read before)
+            k, clock = mine[0], m._router.clock
+            hlc = (time.time_ns() // 1000 + 60_000_000) << 8              # a minute ahead
+            assert c._router.peer(me).put(k, b"B", b"newer", 5, (hlc, 1)) == tp.OK
+            clock.next = lambda: (hlc - 1, clock.writer)
+            try:
+                m.put(k, b"older", write_mode="async")
+            finally:
+                del clock.next
+            m.flush(30)
+            assert bytes(m.get(k)) == b"newer"
+    finally:
+        m.destroy()
+
+
 # ---- a machine is one member -----------------------------------------------------------
 _WORKER = textwrap.dedent("""
     import sys, numpy as np

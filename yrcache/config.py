@@ -57,10 +57,16 @@ class WriteMode(enum.Enum):
     NONE = "none"
 
 
+_MODES = {m.value: m for m in WriteMode}
+
+
 def write_mode(mode: WriteMode | str | None) -> WriteMode | None:
     """Validate a ``write_mode=`` argument."""
     if mode is None or isinstance(mode, WriteMode):
         return mode
+    found = _MODES.get(mode) if type(mode) is str else None     # (no Enum lookup: a cold put's ~3 us)
+    if found is not None:
+        return found
     try:
         return WriteMode(mode)
     except ValueError:

@@ -83,6 +83,17 @@ class Node(tp.Handler):
             self.router.clock.observe(version[0])
         return status
 
+    def apply_with(self, key: str, put: Callable[[str, Any], None], value: Any, version: Version) -> bool:
+        """``put(key, value)`` at ``version``, a version of this member's own clock (nothing
+        to observe), unless this member holds a newer one; True once stored."""
+        with self.lock(key):
+            cur = self.current(key)
+            if cur is not None and version <= cur:
+                return False
+            put(key, value)
+            self._applied(key, version, 0)
+        return True
+
     def _apply_locked(self, key: str, meta: bytes, nbytes: int, fill: Any, version: Version,
                       priority: int, expire_at: float, skip: Callable[[], None] | None, flags: int) -> int:
         """``apply`` with ``key``'s lock held (the clock left to the caller)."""

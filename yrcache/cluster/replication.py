@@ -218,6 +218,18 @@ class Router:
             return self.owners(key, 1), tp.F_SINGLE
         return self.owners(key), 0
 
+    def put_local_async(self, key: str, put: Callable[[str, Any], None], value: Any) -> bool:
+        """An ``ASYNC`` put of this member's own: ``put(key, value)`` into the local store
+        under the key's lock (unless it holds a newer version), then queued for the other
+        owners. False when this process is not a member of the ring now (the caller sends it)."""
+        node = self.node
+        if node is None or node.member_id not in self.members:
+            return False
+        version = self.clock.next()
+        if node.apply_with(key, put, value, version):
+            node.forwarder.add(key, version)
+        return True
+
     def put(self, key: str, meta: bytes, payload: Any, nbytes: int, priority: int, expire_at: float,
             mode: WriteMode, timeout: float | None, tier: Tier | None = None) -> None:
         node = self.node

@@ -226,6 +226,15 @@ class ClusterStore(NodeSharing, TieredStore):
             sync_timeout: float | None = None) -> None:
         """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
         self._check_open()
+        router = self._router
+        if tier is None and ttl is None and priority == 0 and type(priority) is int and type(value) in _PLAIN \
+                and not getattr(value, "dtype", _BYTES).hasobject and self._local is not None \
+                and router.node is not None and self._mode(write_mode) is WriteMode.ASYNC:
+            # the common hybrid case, kept short: the local store's own put (one C call for
+            # bytes and learned array layouts), then the forwarder (no header made here)
+            if router.put_local_async(key, self._local.put, value):
+                self._ops["puts"] += 1
+                return
         key_bytes(key)
         meta, payload, nbytes = self._encode(value)
         self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
@@ -569,6 +578,10 @@ class ClusterStore(NodeSharing, TieredStore):
 
 
 TieredStore._cluster_class = ClusterStore
+
+
+_PLAIN = (np.ndarray, bytes, bytearray)   # values the local store encodes without pickle
+_BYTES = np.dtype(np.uint8)
 
 
 def _rebuild(args: dict) -> ClusterStore:
