@@ -7,6 +7,13 @@ def keys_valid(keys: list, max_key: int, /) -> bool:
 def wire_entries(keys: list, max_key: int, /) -> bytes | None:
     """An MGET request body (cluster/wire.py's entry list, versions 0) for keys ``keys_valid``
     accepts; None for any other."""
+def wire_puts(items: list, max_key: int, max_meta: int, small: int, /) -> bytes | None:
+    """An MPUT body for put items (key, meta, payload, nbytes, (hlc, writer), priority,
+    expire_at), each payload one contiguous buffer of ``nbytes`` <= ``small``; None when one
+    is not (the Python encoder takes them)."""
+def wire_mput(body: bytearray, n: int, max_key: int, max_meta: int, /) -> list | None:
+    """The ``n`` items of an MPUT body held whole, each (key, meta, payload bytes, (hlc,
+    writer), priority, expire_at) as ``wire.parse_mput`` gives them; None for a malformed body."""
 def wire_items(body: bytearray, n: int, max_meta: int, got: type, /) -> list | None:
     """The ``n`` items of an MGET reply body, each None or ``got(meta, view of body, (hlc,
     writer), -1)``; None for a malformed body."""

@@ -254,6 +254,154 @@ bad:                                             /* the caller raises its protoc
     Py_RETURN_NONE;
 }
 
+#define PUT_ITEM_SIZE 44         /* <HHQQQqd: klen, mlen, nbytes, hlc, writer, priority, expire_at */
+
+/* The n items of an MPUT body held whole: (key, meta, payload bytes, (hlc, writer),
+ * priority, expire_at) each, as wire.parse_mput gives them; None when the body is
+ * malformed (parse_mput then raises the protocol error that says how). */
+static PyObject *wire_mput(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t n, max_key, max_meta;
+    if (nargs != 4 || !PyByteArray_CheckExact(args[0]) || (n = PyLong_AsSsize_t(args[1])) < 0 ||
+        (max_key = PyLong_AsSsize_t(args[2])) < 0 || (max_meta = PyLong_AsSsize_t(args[3])) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "wire_mput(body: bytearray, n, max_key, max_meta)");
+        return NULL;
+    }
+    const char *b = PyByteArray_AS_STRING(args[0]);
+    Py_ssize_t len = PyByteArray_GET_SIZE(args[0]), pos = 0;
+    PyObject *out = PyList_New(n), *meta = NULL;
+    for (Py_ssize_t i = 0; out && i < n; i++) {
+        uint16_t klen, mlen;
+        uint64_t nbytes, hlc, writer;
+        int64_t priority;
+        double expire_at;
+        if (PUT_ITEM_SIZE > len - pos) goto bad;
+        memcpy(&klen, b + pos, 2);
+        memcpy(&mlen, b + pos + 2, 2);
+        memcpy(&nbytes, b + pos + 4, 8);
+        memcpy(&hlc, b + pos + 12, 8);
+        memcpy(&writer, b + pos + 20, 8);
+        memcpy(&priority, b + pos + 28, 8);
+        memcpy(&expire_at, b + pos + 36, 8);
+        pos += PUT_ITEM_SIZE;
+        if (klen > max_key || mlen > max_meta || (Py_ssize_t)klen + mlen > len - pos ||
+            nbytes > (uint64_t)(len - pos - klen - mlen))
+            goto bad;
+        PyObject *key = PyUnicode_DecodeUTF8(b + pos, klen, "strict");
+        if (!key) {
+            PyErr_Clear();
+            goto bad;
+        }
+        pos += klen;
+        /* the items of a batch mostly share a header: one bytes object for a run of them */
+        if (!meta || PyBytes_GET_SIZE(meta) != mlen || memcmp(PyBytes_AS_STRING(meta), b + pos, mlen))
+            Py_XSETREF(meta, PyBytes_FromStringAndSize(b + pos, mlen));
+        pos += mlen;
+        PyObject *payload = meta ? PyBytes_FromStringAndSize(b + pos, (Py_ssize_t)nbytes) : NULL;
+        pos += (Py_ssize_t)nbytes;
+        PyObject *item = payload ? Py_BuildValue("(NON(KK)Ld)", key, meta, payload, (unsigned long long)hlc,
+                                                 (unsigned long long)writer, (long long)priority, expire_at)
+                                 : NULL;
+        if (!payload) Py_DECREF(key);
+        if (!item) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, i, item);
+    }
+    Py_XDECREF(meta);
+    if (out && pos != len) goto bad_out;
+    return out;
+bad:
+    Py_XDECREF(meta);
+bad_out:
+    Py_XDECREF(out);
+    Py_RETURN_NONE;
+}
+
+/* One put item's fields, checked: a 7-tuple (key str, meta bytes, payload buffer,
+ * nbytes, (hlc, writer), priority, expire_at) whose payload is one C-contiguous buffer
+ * of exactly nbytes <= small bytes; 0, or -1 (with no error set: not for this path). */
+typedef struct {
+    const char *kb, *meta;
+    Py_ssize_t klen, mlen;
+    Py_buffer payload;
+    unsigned long long hlc, writer;
+    long long priority;
+    double expire_at;
+} PutFields;
+
+static int put_fields(PyObject *item, Py_ssize_t max_key, Py_ssize_t max_meta, Py_ssize_t small, PutFields *f) {
+    if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 7) return -1;
+    PyObject *meta = PyTuple_GET_ITEM(item, 1), *version = PyTuple_GET_ITEM(item, 4);
+    if (!PyBytes_CheckExact(meta) || !PyTuple_CheckExact(version) || PyTuple_GET_SIZE(version) != 2 ||
+        !PyFloat_CheckExact(PyTuple_GET_ITEM(item, 6)))
+        return -1;
+    f->kb = plain_key(PyTuple_GET_ITEM(item, 0), max_key, &f->klen);
+    f->meta = PyBytes_AS_STRING(meta);
+    f->mlen = PyBytes_GET_SIZE(meta);
+    Py_ssize_t nbytes = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 3));
+    f->hlc = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(version, 0));
+    f->writer = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(version, 1));
+    f->priority = PyLong_AsLongLong(PyTuple_GET_ITEM(item, 5));
+    f->expire_at = PyFloat_AS_DOUBLE(PyTuple_GET_ITEM(item, 6));
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (!f->kb || f->mlen > max_meta || nbytes < 0 || nbytes > small) return -1;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 2), &f->payload, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    if (f->payload.len != nbytes) {
+        PyBuffer_Release(&f->payload);
+        return -1;
+    }
+    return 0;
+}
+
+/* The body of an MPUT frame for small put items (peer.put_item's bytes, joined), or
+ * None when one of them is not for this path (the Python encoder takes them). */
+static PyObject *wire_puts(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    Py_ssize_t max_key, max_meta, small, total = 0;
+    if (nargs != 4 || !PyList_CheckExact(args[0]) || (max_key = PyLong_AsSsize_t(args[1])) < 0 ||
+        max_key > 65535 || (max_meta = PyLong_AsSsize_t(args[2])) < 0 || max_meta > 65535 ||
+        (small = PyLong_AsSsize_t(args[3])) < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "wire_puts(items: list, max_key, max_meta, small)");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    PutFields f;
+    for (Py_ssize_t i = 0; i < n; i++) {              /* check every item and size the body */
+        if (put_fields(PyList_GET_ITEM(args[0], i), max_key, max_meta, small, &f) < 0) Py_RETURN_NONE;
+        total += PUT_ITEM_SIZE + f.klen + f.mlen + f.payload.len;
+        PyBuffer_Release(&f.payload);
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    char *p = out ? PyBytes_AS_STRING(out) : NULL;
+    for (Py_ssize_t i = 0; p && i < n; i++) {
+        if (put_fields(PyList_GET_ITEM(args[0], i), max_key, max_meta, small, &f) < 0) {   /* changed meanwhile */
+            Py_CLEAR(out);
+            Py_RETURN_NONE;
+        }
+        uint16_t k16 = (uint16_t)f.klen, m16 = (uint16_t)f.mlen;
+        uint64_t nb = (uint64_t)f.payload.len;
+        memcpy(p, &k16, 2);
+        memcpy(p + 2, &m16, 2);
+        memcpy(p + 4, &nb, 8);
+        memcpy(p + 12, &f.hlc, 8);
+        memcpy(p + 20, &f.writer, 8);
+        memcpy(p + 28, &f.priority, 8);
+        memcpy(p + 36, &f.expire_at, 8);
+        p += PUT_ITEM_SIZE;
+        memcpy(p, f.kb, (size_t)f.klen);
+        p += f.klen;
+        memcpy(p, f.meta, (size_t)f.mlen);
+        p += f.mlen;
+        memcpy(p, f.payload.buf, (size_t)f.payload.len);
+        p += f.payload.len;
+        PyBuffer_Release(&f.payload);
+    }
+    return out;
+}
+
 PyMethodDef wire_functions[] = {
     {"keys_valid", (PyCFunction)(void (*)(void))keys_valid, METH_FASTCALL,
      "keys_valid(keys: list, max_key) -> bool: every key an exact str of 1 to max_key UTF-8 bytes "
@@ -264,5 +412,13 @@ PyMethodDef wire_functions[] = {
     {"wire_items", (PyCFunction)(void (*)(void))wire_items, METH_FASTCALL,
      "wire_items(body: bytearray, n, max_meta, Got) -> list | None: the n items of an MGET reply "
      "body, each None or Got(meta, view of body, (hlc, writer), -1); None for a malformed body."},
+    {"wire_puts", (PyCFunction)(void (*)(void))wire_puts, METH_FASTCALL,
+     "wire_puts(items: list, max_key, max_meta, small) -> bytes | None: an MPUT body for put items "
+     "(key, meta, payload, nbytes, (hlc, writer), priority, expire_at), each payload one contiguous "
+     "buffer of nbytes <= small; None when one is not (the Python encoder takes them)."},
+    {"wire_mput", (PyCFunction)(void (*)(void))wire_mput, METH_FASTCALL,
+     "wire_mput(body: bytearray, n, max_key, max_meta) -> list | None: the n items of an MPUT body "
+     "held whole, each (key, meta, payload bytes, (hlc, writer), priority, expire_at) as "
+     "wire.parse_mput gives them; None for a malformed body."},
     {NULL, NULL, 0, NULL},
 };

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._fast import wire_entries, wire_items
+from .._fast import wire_entries, wire_items, wire_puts
 from ..errors import AuthenticationError, ClusterUnavailableError
 from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
                    MAX_KEY, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
@@ -360,6 +360,11 @@ def send_puts(c: Conn, items: Sequence[tuple[str, bytes, Any, int, tuple[int, in
     if len(items) == 1 and items[0][3] <= SMALL:
         c.sock.sendall(frame if frame is not None else put_frame(items[0], flags))
         return [0]
+    if len(items) <= MAX_BATCH and type(items) is list:     # all small: one frame, its body built in C
+        body = wire_puts(items, MAX_KEY, MAX_META, SMALL)
+        if body is not None and len(body) <= MPUT_BYTES:
+            c.sock.sendall(pack(MPUT, plen=len(body), flags=flags, length=len(items)) + body)
+            return [len(items)]
     frames: list[int] = []
     out = bytearray()
     run = bytearray()

@@ -267,8 +267,7 @@ class ClusterStore(NodeSharing, TieredStore):
         """Put several values, pipelined per owner; each is atomic, the batch is not."""
         self._check_open()
         pairs = list(items.items() if isinstance(items, Mapping) else items)
-        for k, _ in pairs:
-            key_bytes(k)
+        check_keys([k for k, _ in pairs])
         self._put_encoded([(k, *self._encode(v)) for k, v in pairs], tier, priority, ttl, write_mode, sync_timeout)
 
     def mput_raw(self, entries: list[tuple[str, bytes, Any, int]], *, priority: int = 0,

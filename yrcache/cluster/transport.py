@@ -33,6 +33,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._fast import wire_mput
 from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
     _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
     GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
@@ -307,7 +308,9 @@ class Server:
         if f.plen <= RUN_BYTES:
             whole = bytearray(f.plen)
             rd.readinto(whole)
-            out.append(pack(MPUT, plen=f.length) + self._put_run(parse_mput(whole, f.length), f.flags))
+            items = wire_mput(whole, f.length, MAX_KEY, MAX_META)     # parsed in C (None: malformed)
+            out.append(pack(MPUT, plen=f.length) +
+                       self._put_run(items if items is not None else parse_mput(whole, f.length), f.flags))
             return
         left = f.plen
         statuses = bytearray()
