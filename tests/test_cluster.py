@@ -183,20 +183,94 @@ def test_a_members_own_async_puts_replicate_and_lose_to_newer_versions(harness, 
             assert all(copies.get(k) == 1 for k in mine), copies        # on the other owner (a node process)
             for k, v in values.items():
                 assert bytes(c.get(k)) == bytes(memoryview(v).cast("B"))
-            # a concurrent writer's newer version lands between this put's clock reading and
-            # its store (the clock is made to hand out the version it read before)
+            # a concurrent writer's newer version is stored before this put reads the clock,
+            # but observed after (Node.apply observes once it let go of the key's lock): the
+            # clock is set back to hand out an older version than the one stored
             k, clock = mine[0], m._router.clock
             hlc = (time.time_ns() // 1000 + 60_000_000) << 8              # a minute ahead
-            assert c._router.peer(me).put(k, b"B", b"newer", 5, (hlc, 1)) == tp.OK
-            clock.next = lambda: (hlc - 1, clock.writer)
-            try:
-                m.put(k, b"older", write_mode="async")
-            finally:
-                del clock.next
-            m.flush(30)
-            assert bytes(m.get(k)) == b"newer"
+            m.put(mine[1], np.frombuffer(b"12345", np.uint8), write_mode="async")  # learns the layout
+            for value_kind in (b"older", np.frombuffer(b"older", np.uint8)):    # C path, bytes and array
+                assert c._router.peer(me).put(k, b"B", b"newer", 5, (hlc, 1)) == tp.OK
+                clock.last = hlc - 2
+                m.put(k, value_kind, write_mode="async")
+                assert clock.last == hlc - 1                              # it did read the clock
+                m.flush(30)
+                assert bytes(m.get(k)) == b"newer"
+                hlc += 256
     finally:
         m.destroy()
+
+
+def test_a_members_own_put_in_c_stores_versions_queues_or_says_why_not(harness, store_name):
+    """``Node.own`` (_csrc/fast_own.c) does a member's own ASYNC put in one call: the
+    value stored, its version recorded, the key queued for the other owner. It stores
+    nothing, and says so, when another thread holds the key's lock, the array layout is
+    new, or the member is not in the ring; with the forwarder's queue held elsewhere it
+    stores and hands the version back, which ``ClusterStore.put`` then queues."""
+    harness.start(1)
+    m = TieredStore(cluster=f"etcd://{harness.etcd.endpoint}/{harness.cluster}", member=True, name=store_name,
+                    dram="64MiB", lease_ttl=TTL, replicas=2)
+    try:
+        harness.wait_members(m, 2)
+        node, router = m._node, m._router
+        own, clock, fw = node.own, router.clock, node.forwarder
+        assert own is not None and own.active
+        other = next(mid for mid in router.members if mid != router.member_id)
+
+        def on_other(key):
+            got = router.peer(other).get(key)
+            return None if got is None else (bytes(got.buf), got.version)
+
+        key = "c/0"
+        before = clock.last
+        assert own.put(key, b"one") is True
+        assert node.versions[key][0] > before and node.versions[key] == (clock.last, clock.writer)
+        m.flush(30)
+        assert on_other(key) == (b"one", node.versions[key])
+
+        held = node.lock(key)
+        held.acquire()                               # another writer of this key: nothing stored
+        try:
+            assert own.put(key, b"two") is False
+        finally:
+            held.release()
+        assert bytes(m.get(key)) == b"one" and node.versions[key][0] == clock.last
+        assert own.put(key, np.zeros((3, 7), np.int16)) is None       # a layout C has not seen
+        assert own.put(key, [1, 2]) is False and own.put(b"c/0", b"x") is False
+        assert bytes(m.get(key)) == b"one"
+
+        taken, release = threading.Event(), threading.Event()
+
+        def hold_queue():
+            with fw._cv:
+                taken.set()
+                release.wait(10)
+
+        t = threading.Thread(target=hold_queue)
+        t.start()
+        try:
+            taken.wait(10)
+            got = own.put(key, b"three")              # stored, the version handed back
+            assert got == node.versions[key] and bytes(m.get(key)) == b"three"
+            assert key not in fw._q
+            threading.Timer(0.2, release.set).start()
+            m.put(key, b"four", write_mode="async")  # the store queues it once the lock is free
+        finally:
+            release.set()
+            t.join()
+        m.flush(30)
+        assert on_other(key) == (b"four", node.versions[key])
+
+        own.active = False                           # not in the ring: the general path
+        assert own.put(key, b"five") is False
+        own.active = True
+        m.put(key, np.arange(6, dtype=np.int16).reshape(2, 3), write_mode="async")     # Python path, learns
+        assert own.put(key, np.ones((2, 3), np.int16)) is True
+        m.flush(30)
+        assert on_other(key)[0] == np.ones((2, 3), np.int16).tobytes()
+    finally:
+        m.destroy()
+    assert not own.active                            # closed: off
 
 
 # ---- a machine is one member -----------------------------------------------------------

@@ -1,4 +1,4 @@
-# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c, fast_values.c).
+# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c, fast_values.c, fast_wire.c, fast_own.c).
 from typing import Any, Literal
 
 def keys_valid(keys: list, max_key: int, /) -> bool:
@@ -79,3 +79,32 @@ class HotPath:
         general path (an object outside DRAM, pickled or over 64 KiB; a malformed list)."""
     def close(self) -> None:
         """Forget the mapping: later calls return False."""
+
+class Clock:
+    """A hybrid logical clock: versions ``(hlc, writer)``, hlc = microseconds << 8 | a
+    counter, never going back (cluster/replication.py)."""
+
+    writer: int
+    """This process's writer id (random, 63 bits)."""
+    last: int
+    """The latest hlc handed out or observed (tests set it back to hand out an older version)."""
+
+    def next(self) -> tuple[int, int]:
+        """A version after every one handed out or observed here."""
+    def next_many(self, n: int, /) -> int:
+        """The first of ``n`` consecutive hlcs (the writer is ``writer``)."""
+    def observe(self, hlc: int, /) -> None:
+        """Later versions come after ``hlc`` (a version applied from another writer)."""
+
+class OwnPuts:
+    """A cluster member's own ASYNC puts in one C call (cluster/member.py's ``Node.own``)."""
+
+    active: bool
+    """This member is in the ring now (False: every put returns False)."""
+
+    def __init__(self, hot: HotPath, clock: Clock, versions: dict, tombs: dict, single: set, locks: list,
+                 forwarder: Any, queue: Any, cv: Any, queue_max: int, batch: int, prefaulted: bool) -> None: ...
+    def put(self, key: Any, value: Any, /) -> bool | tuple[int, int] | None:
+        """The key's lock, a version, the local put and the forwarder's queue: True done (or
+        a newer version held here), a version: stored but not queued (queue it), None: an
+        ndarray layout to learn first, False: the general path (nothing stored)."""

@@ -482,7 +482,7 @@ static PyMemberDef HotPath_members[] = {
     {NULL, 0, 0, 0, NULL},
 };
 
-static PyTypeObject HotPathType = {
+PyTypeObject HotPathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "yrcache._fast.HotPath",
     .tp_doc = "HotPath(read, put, mread, unpin, base, max_key, cap): gets, puts and batch reads "
@@ -509,6 +509,10 @@ PyMODINIT_FUNC PyInit__fast(void) {
     Py_INCREF(&HotPathType);
     if (PyModule_AddObject(m, "HotPath", (PyObject *)&HotPathType) < 0) {
         Py_DECREF(&HotPathType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (own_ready(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,5 +1,6 @@
-/* Shared by the two files of yrcache._fast: fast.c (the HotPath type, its reads
- * and puts) and fast_values.c (the values it builds and the headers it finds). */
+/* Shared by the files of yrcache._fast: fast.c (the HotPath type, its reads and
+ * puts), fast_values.c (the values it builds and the headers it finds), fast_wire.c
+ * (cluster batches) and fast_own.c (a member's clock and own ASYNC puts). */
 #ifndef YR_FAST_H
 #define YR_FAST_H
 #define PY_SSIZE_T_CLEAN
@@ -73,6 +74,7 @@ static inline Flat *find_header(Flat *entries, int n, const char *meta, Py_ssize
 }
 
 /* fast.c */
+extern PyTypeObject HotPathType;
 const char *key_of(HotPath *self, PyObject *key, Py_ssize_t *klen);
 typedef struct {                 /* the rows of a batch put, gathered for store_rows */
     Py_ssize_t n, held;          /* rows; views held so far (released by rows_free) */
@@ -91,6 +93,7 @@ int batch_args(HotPath *self, PyObject *const *args, Py_ssize_t nargs, const cha
 int values_ready(void);
 void values_clear(HotPath *self);
 PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned);
+int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta);
 PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
@@ -100,5 +103,8 @@ PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
 PyObject *HotPath_mreply(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen);
 extern PyMethodDef wire_functions[];   /* module functions: MGET requests and replies of a pure client */
+
+/* fast_own.c */
+int own_ready(PyObject *m);            /* adds Clock and OwnPuts (a member's own ASYNC puts) to the module */
 
 #endif

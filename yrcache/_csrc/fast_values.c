@@ -135,7 +135,7 @@ static Layout *layout_of(HotPath *self, const Py_buffer *v) {
 /* The view and codec header of a value put_value stores (bytes or bytearray: b"B"; a
  * C-contiguous ndarray of a learned layout: its header): 1, the view held; 0: an
  * ndarray of a layout not learned yet; -1: another kind of value (no exception). */
-static int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta) {
+int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta) {
     if (PyBytes_CheckExact(value) || PyByteArray_CheckExact(value)) {
         if (PyObject_GetBuffer(value, view, PyBUF_SIMPLE) < 0) {
             PyErr_Clear();

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._fast import OwnPuts
 from ..config import Tier
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
@@ -53,8 +54,18 @@ class Node(tp.Handler):
         self._locks = [threading.Lock() for _ in range(64)]
         self.forwarder = Forwarder(self)
         self.rebalancer = Rebalancer(self)
+        #: This member's own ASYNC puts of plain values in one C call (``ClusterStore.put``;
+        #: None when the local store's puts need room made: an SSD tier, cache mode).
+        #: ``Router.update`` keeps it ``active`` while this member is in the ring.
+        self.own: OwnPuts | None = None
+        if local._placement.direct:
+            fw, a = self.forwarder, local._a
+            self.own = OwnPuts(a.hot, router.clock, self.versions, self.tombs, self.single, self._locks, fw,
+                               fw._q, fw._cv, QUEUE_MAX, BATCH, a.prefaulted)
 
     def close(self) -> None:
+        if self.own is not None:
+            self.own.active = False
         self.rebalancer.close()
         self.forwarder.close()
 

@@ -1,9 +1,10 @@
 """Routing, versions and replication for cluster mode.
 
-- :class:`Clock`: a hybrid logical clock. Every write carries ``(hlc, writer)``;
-  a replica applies a write only if its version is higher than the one it holds
-  (or a tombstone it remembers), so replicas converge whatever order concurrent
-  writes arrive in.
+- ``Clock`` (``yrcache._fast.Clock``, in C): a hybrid logical clock, microseconds
+  << 8 | a counter, never going back. Every write carries ``(hlc, writer)``; a
+  replica applies a write only if its version is higher than the one it holds (or
+  a tombstone it remembers), so replicas converge whatever order concurrent writes
+  arrive in.
 - the member side (``Node``, ``Forwarder``, ``Rebalancer``) is in ``member.py``.
 - :class:`Router`: the client side, in every process of a cluster store: the
   ring, a pooled :class:`~yrcache.cluster.transport.Peer` per member, and
@@ -19,12 +20,11 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .. import codec
+from .. import _fast, codec
 from ..config import Tier, WriteMode
 from ..errors import AuthenticationError, ClusterUnavailableError
 from ..sizes import parse_size
@@ -50,34 +50,7 @@ LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
 
 
-class Clock:
-    """A hybrid logical clock: microseconds << 8 | a counter, never going back. A write
-    issued after another process's write completed (a round trip later) gets a later
-    version: with milliseconds, a delete right after a put from another process lost
-    half the time within the same millisecond."""
-
-    def __init__(self) -> None:
-        self._last = 0
-        self._lock = threading.Lock()
-        self.writer = int.from_bytes(os.urandom(8), "little") >> 1
-
-    def next(self) -> Version:
-        with self._lock:
-            self._last = max((time.time_ns() // 1000) << 8, self._last + 1)
-            return self._last, self.writer
-
-    def next_many(self, n: int) -> int:
-        """The first of ``n`` consecutive versions (``hlc``, ``hlc + 1``, ...; the writer is
-        ``self.writer``): one clock read for a batch, each write still its own version."""
-        with self._lock:
-            first = max((time.time_ns() // 1000) << 8, self._last + 1)
-            self._last = first + max(n, 1) - 1
-            return first
-
-    def observe(self, hlc: int) -> None:
-        with self._lock:
-            if hlc > self._last:
-                self._last = hlc
+Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call
 
 
 @functools.lru_cache(maxsize=4096)
@@ -141,6 +114,8 @@ class Router:
         with self._lock:
             old = set(self.members)
             self.members = dict(members)
+            if self.node is not None and self.node.own is not None:
+                self.node.own.active = self.node.member_id in members
             self.ring = Ring(sorted(members))
             self._owners = {}
             for mid, p in list(self._peers.items()):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import codec
+from .._fast import OwnPuts
 from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError, StoreNotFoundError
 from ..store import TieredStore
@@ -83,6 +84,7 @@ class ClusterStore(NodeSharing, TieredStore):
         self._membership: Membership | None = None
         self._server: tp.Server | None = None
         self._node: Node | None = None
+        self._own: OwnPuts | None = None      # the member's own ASYNC puts in C (Node.own)
         self._mirror: Mirror | None = None
         self._shared: dict[str, SharedWord] = {}
         self._lock = threading.Lock()
@@ -97,6 +99,7 @@ class ClusterStore(NodeSharing, TieredStore):
             raise ValueError(f"replicas must be an int from 1 to 16, got {self.replicas!r}")
         self._mode_default: WriteMode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
             or WriteMode.WRITE_THROUGH
+        self._async_default = self._mode_default is WriteMode.ASYNC
         if member is None:
             member = os.environ.get("YRCACHE_MEMBER", "1").lower() in ENV_TRUE
         tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
@@ -162,6 +165,7 @@ class ClusterStore(NodeSharing, TieredStore):
         router.member_id = member_id
         self._node = router.node = Node(self._local, member_id, router)
         router.on_change.append(self._node.rebalancer.poke)
+        self._own = self._node.own
         self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
         address = os.environ.get("YRCACHE_ADVERTISE") or self._server.address
         self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
@@ -225,13 +229,29 @@ class ClusterStore(NodeSharing, TieredStore):
             ttl: float | None = None, write_mode: WriteMode | str | None = None,
             sync_timeout: float | None = None) -> None:
         """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
+        own = self._own
+        if own is not None and tier is None and ttl is None and type(priority) is int and priority == 0 \
+                and (self._async_default if write_mode is None else write_mode is WriteMode.ASYNC
+                     or (type(write_mode) is str and write_mode == "async")):
+            # the common hybrid case in one C call (_csrc/fast_own.c): the key's lock, a
+            # version, the local store's put, the forwarder's queue
+            done = own.put(key, value)
+            if done is True:
+                self._ops["puts"] += 1
+                return
+            if done:                # stored at this version; the forwarder's queue was busy or full
+                own_node = self._node
+                assert own_node is not None
+                own_node.forwarder.add(key, done)
+                self._ops["puts"] += 1
+                return
         self._check_open()
         router = self._router
         if tier is None and ttl is None and priority == 0 and type(priority) is int and type(value) in _PLAIN \
                 and not getattr(value, "dtype", _BYTES).hasobject and self._local is not None \
                 and router.node is not None and self._mode(write_mode) is WriteMode.ASYNC:
-            # the common hybrid case, kept short: the local store's own put (one C call for
-            # bytes and learned array layouts), then the forwarder (no header made here)
+            # an ndarray of a layout the C side has not learned (local.put teaches it), or
+            # the key's lock busy: the same steps in Python
             if router.put_local_async(key, self._local.put, value):
                 self._ops["puts"] += 1
                 return
@@ -526,6 +546,7 @@ class ClusterStore(NodeSharing, TieredStore):
         if self._closed:
             return
         self._closed = True
+        self._own = None
         _LIVE.pop(id(self), None)
         if handover and self._node is not None and self._membership is not None:
             self._handover()
