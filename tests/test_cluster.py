@@ -22,7 +22,8 @@ import pytest
 pytest.importorskip("pyetcd")
 from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
 
-from yrcache import TieredStore, WriteMode  # noqa: E402
+from yrcache import Tier, TieredStore, WriteMode  # noqa: E402
+from yrcache._fast import OwnPuts  # noqa: E402
 from yrcache.cluster import transport as tp  # noqa: E402
 from yrcache.cluster.store import ClusterStore  # noqa: E402
 from yrcache.errors import AuthenticationError, ClusterUnavailableError  # noqa: E402
@@ -205,8 +206,9 @@ def test_a_members_own_put_in_c_stores_versions_queues_or_says_why_not(harness, 
     """``Node.own`` (_csrc/fast_own.c) does a member's own ASYNC put in one call: the
     value stored, its version recorded, the key queued for the other owner. It stores
     nothing, and says so, when another thread holds the key's lock, the array layout is
-    new, or the member is not in the ring; with the forwarder's queue held elsewhere it
-    stores and hands the version back, which ``ClusterStore.put`` then queues."""
+    new, or the member is not in the ring. It queues without the forwarder's lock, never
+    over a newer version; with the queue full, or the forwarder asleep, it hands the
+    version back and ``ClusterStore.put`` queues it (waiting for room) and wakes it."""
     harness.start(1)
     m = TieredStore(cluster=f"etcd://{harness.etcd.endpoint}/{harness.cluster}", member=True, name=store_name,
                     dram="64MiB", lease_ttl=TTL, replicas=2)
@@ -222,11 +224,22 @@ def test_a_members_own_put_in_c_stores_versions_queues_or_says_why_not(harness, 
             return None if got is None else (bytes(got.buf), got.version)
 
         key = "c/0"
+        m.put(key, b"zero", write_mode="async")     # wakes the forwarder: awake for a second now
+        wait_for(lambda: not fw._asleep, 5, "the forwarder to wake")
         before = clock.last
         assert own.put(key, b"one") is True
         assert node.versions[key][0] > before and node.versions[key] == (clock.last, clock.writer)
         m.flush(30)
         assert on_other(key) == (b"one", node.versions[key])
+
+        # ClusterStore.put's options: only an ASYNC put with none of them is taken here
+        for opts in ((Tier.DRAM, 0, None, "async"), (None, 1, None, "async"), (None, False, None, "async"),
+                     (None, 0, 60.0, "async"), (None, 0, None, "write_through"), (None, 0, None, None),
+                     (None, 0, None, "ASYNC"), (None, 0, None, ["async"])):
+            assert own.put(key, b"x", *opts) is False, opts
+        assert bytes(m.get(key)) == b"one"
+        for mode in (WriteMode.ASYNC, "async", "".join(["as", "ync"])):
+            assert own.put(key, b"one", None, 0, None, mode) is True
 
         held = node.lock(key)
         held.acquire()                               # another writer of this key: nothing stored
@@ -239,27 +252,32 @@ def test_a_members_own_put_in_c_stores_versions_queues_or_says_why_not(harness, 
         assert own.put(key, [1, 2]) is False and own.put(b"c/0", b"x") is False
         assert bytes(m.get(key)) == b"one"
 
-        taken, release = threading.Event(), threading.Event()
-
-        def hold_queue():
-            with fw._cv:
-                taken.set()
-                release.wait(10)
-
-        t = threading.Thread(target=hold_queue)
-        t.start()
-        try:
-            taken.wait(10)
-            got = own.put(key, b"three")              # stored, the version handed back
-            assert got == node.versions[key] and bytes(m.get(key)) == b"three"
-            assert key not in fw._q
-            threading.Timer(0.2, release.set).start()
-            m.put(key, b"four", write_mode="async")  # the store queues it once the lock is free
-        finally:
-            release.set()
-            t.join()
-        m.flush(30)
-        assert on_other(key) == (b"four", node.versions[key])
+        # queued without the forwarder's lock; a newer version queued stays queued
+        with fw._cv:                                 # (the forwarder cannot take a batch meanwhile)
+            newer = (1 << 62, 0)
+            fw._q[key] = (newer, None)
+            assert own.put(key, b"three") is True and bytes(m.get(key)) == b"three"
+            fw.add(key, node.versions[key])
+            assert fw._q[key] == (newer, None)
+            del fw._q[key]
+            full = OwnPuts(m._local._a.hot, clock, node.versions, node.tombs, node.single, node._locks, fw, fw._q,
+                           (), 1, 256, True)          # a queue of one: full now
+            full.active = True
+            fw._q["c/other"] = (newer, None)
+            got = full.put(key, b"four")             # stored, not queued: the version handed back
+            assert got == node.versions[key] and bytes(m.get(key)) == b"four" and key not in fw._q
+            del fw._q["c/other"]
+        time.sleep(1.5)                              # the forwarder goes to sleep
+        assert fw._asleep
+        got = own.put(key, b"five")                  # queued, but the caller must wake it
+        assert got == node.versions[key] and fw._q[key] == (got, None)
+        time.sleep(0.3)
+        assert on_other(key)[0] == b"one"            # nothing woke it (three and four were not queued)
+        fw.add(key, got)                             # what ClusterStore.put does with it
+        wait_for(lambda: on_other(key) == (b"five", node.versions[key]), 5, "the forwarder to wake")
+        time.sleep(1.5)
+        m.put(key, b"six", write_mode="async")       # the whole way, from the store
+        wait_for(lambda: on_other(key) == (b"six", node.versions[key]), 5, "the forwarder to wake")
 
         own.active = False                           # not in the ring: the general path
         assert own.put(key, b"five") is False

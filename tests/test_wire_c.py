@@ -1,4 +1,5 @@
-"""The cluster's MGET in C (``_csrc/fast_wire.c``) against the Python code it stands in for.
+"""The cluster's MGET in C (``_csrc/fast_wire.c``) against the Python code it stands in for
+(and the member's ``KeyLock`` of ``_csrc/fast_own.c`` against ``threading.Lock``).
 
 A member answers an MGET with one C call (``TieredStore.mget_wire``) and a pure client
 encodes its request and parses the reply in C (``wire_entries``, ``wire_items``). Each
@@ -201,3 +202,36 @@ def valid_key(k: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def test_a_key_lock_behaves_as_threading_lock():
+    """``KeyLock`` (_csrc/fast_own.c) stands in for the member's 64 ``threading.Lock``s:
+    not reentrant, a non-blocking acquire says whether it took it, a blocking one waits
+    for the holder (another thread may release it), releasing a free lock raises."""
+    import threading
+    import time
+
+    from yrcache._fast import KeyLock
+
+    lk = KeyLock()
+    assert not lk.locked() and lk.acquire() is True and lk.locked()
+    assert lk.acquire(False) is False
+    got = []
+    t = threading.Thread(target=lambda: got.append((lk.acquire(), time.monotonic())))
+    t.start()
+    time.sleep(0.2)
+    assert not got                                  # waiting for the holder, the GIL free meanwhile
+    released = time.monotonic()
+    lk.release()
+    t.join(5)
+    assert got and got[0][0] is True and got[0][1] >= released
+    lk.release()                                    # another thread took it; this one may release it
+    with pytest.raises(RuntimeError):
+        lk.release()
+    with lk:
+        assert lk.locked()
+    assert not lk.locked()
+    with pytest.raises(KeyError):
+        with lk:
+            raise KeyError("an error inside")
+    assert not lk.locked()

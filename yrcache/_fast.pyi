@@ -96,6 +96,16 @@ class Clock:
     def observe(self, hlc: int, /) -> None:
         """Later versions come after ``hlc`` (a version applied from another writer)."""
 
+class KeyLock:
+    """The lock of a group of keys on a member: ``threading.Lock``'s API (``acquire(blocking)``,
+    ``release``, ``locked``, ``with``), taken by ``OwnPuts`` without calling into Python."""
+
+    def acquire(self, blocking: bool = True, /) -> bool: ...
+    def release(self) -> None: ...
+    def locked(self) -> bool: ...
+    def __enter__(self) -> bool: ...
+    def __exit__(self, *exc: object) -> None: ...
+
 class OwnPuts:
     """A cluster member's own ASYNC puts in one C call (cluster/member.py's ``Node.own``)."""
 
@@ -103,8 +113,11 @@ class OwnPuts:
     """This member is in the ring now (False: every put returns False)."""
 
     def __init__(self, hot: HotPath, clock: Clock, versions: dict, tombs: dict, single: set, locks: list,
-                 forwarder: Any, queue: Any, cv: Any, queue_max: int, batch: int, prefaulted: bool) -> None: ...
-    def put(self, key: Any, value: Any, /) -> bool | tuple[int, int] | None:
-        """The key's lock, a version, the local put and the forwarder's queue: True done (or
-        a newer version held here), a version: stored but not queued (queue it), None: an
-        ndarray layout to learn first, False: the general path (nothing stored)."""
+                 forwarder: Any, queue: Any, modes: tuple, queue_max: int, batch: int, prefaulted: bool) -> None: ...
+    def put(self, key: Any, value: Any, /, *options: Any) -> bool | tuple[int, int] | None:
+        """The key's lock, a version, the local put and the forwarder's queue, for an ASYNC put:
+        ``put(key, value)``, or with ClusterStore.put's ``tier, priority, ttl, write_mode``
+        (``write_mode`` one of ``modes`` or "async", the others their defaults): True done (or a
+        newer version held here), a version: stored, ``Forwarder.add`` it (the queue is full
+        or the forwarder asleep), None: an ndarray layout to learn first, False: the general
+        path (nothing stored)."""

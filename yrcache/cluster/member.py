@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._fast import OwnPuts
-from ..config import Tier
+from .._fast import KeyLock, OwnPuts
+from ..config import Tier, WriteMode
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
 from .replication import (BATCH, IDLE_S, LINGER_S, QUEUE_MAX, REBALANCE_RATE, REPAIR_S, SETTLE_S, TOMBSTONE_S,
@@ -44,14 +44,14 @@ NODE_PREFIX = "__node__/"
 class Node(tp.Handler):
     """The data-plane handler of one member: applies versioned writes to the local arena."""
 
-    def __init__(self, local: TieredStore, member_id: str, router: Router):
+    def __init__(self, local: TieredStore, member_id: str, router: Router, async_default: bool = False):
         self.local = local
         self.member_id = member_id
         self.router = router
         self.versions: dict[str, Version] = {}
         self.tombs: dict[str, tuple[Version, float]] = {}
         self.single: set[str] = set()        # WriteMode.NONE objects: one copy, on their first owner
-        self._locks = [threading.Lock() for _ in range(64)]
+        self._locks = [KeyLock() for _ in range(64)]     # threading.Lock's API; OwnPuts takes them in C
         self.forwarder = Forwarder(self)
         self.rebalancer = Rebalancer(self)
         #: This member's own ASYNC puts of plain values in one C call (``ClusterStore.put``;
@@ -60,8 +60,9 @@ class Node(tp.Handler):
         self.own: OwnPuts | None = None
         if local._placement.direct:
             fw, a = self.forwarder, local._a
+            modes = (WriteMode.ASYNC, "async") + ((None,) if async_default else ())
             self.own = OwnPuts(a.hot, router.clock, self.versions, self.tombs, self.single, self._locks, fw,
-                               fw._q, fw._cv, QUEUE_MAX, BATCH, a.prefaulted)
+                               fw._q, modes, QUEUE_MAX, BATCH, a.prefaulted)
 
     def close(self) -> None:
         if self.own is not None:
@@ -69,7 +70,7 @@ class Node(tp.Handler):
         self.rebalancer.close()
         self.forwarder.close()
 
-    def lock(self, key: str) -> threading.Lock:
+    def lock(self, key: str) -> KeyLock:
         return self._locks[hash(key) & 63]
 
     def owners(self, key: str) -> list[str]:
@@ -292,8 +293,10 @@ class Forwarder(_Worker):
         with self._cv:
             while block and len(self._q) >= QUEUE_MAX and not self._stop:
                 self._cv.wait(0.1)
-            self._q[key] = (version, targets)
-            self._q.move_to_end(key)
+            queued = self._q.get(key)
+            if queued is None or queued[0] <= version:     # never an older version over a newer one
+                self._q[key] = (version, targets)
+                self._q.move_to_end(key)
             if self._asleep or len(self._q) >= BATCH:
                 self._cv.notify_all()
 
@@ -319,8 +322,10 @@ class Forwarder(_Worker):
                     if time.monotonic() - idle_since < IDLE_S:
                         self._cv.wait(LINGER_S)   # a look every LINGER_S: writers need not wake us
                         continue
+                    # set before the last look: OwnPuts queues without the lock, then reads it
                     self._asleep = True
-                    self._cv.wait()
+                    if not self._q:
+                        self._cv.wait()
                     self._asleep = False
                     if self._q and len(self._q) < BATCH and not self._stop:
                         self._cv.wait(LINGER_S)   # let a burst of writes gather into one batch
@@ -340,8 +345,8 @@ class Forwarder(_Worker):
             with self._cv:
                 self._busy -= len(batch)
                 for k, v in retry:
-                    if not self._stop and k not in self._q:
-                        self._q[k] = (v, None)
+                    if not self._stop:
+                        self._q.setdefault(k, (v, None))    # one step: OwnPuts may queue k meanwhile
                 self._cv.notify_all()
                 drained = not self._q and not self._busy
             if retry:

@@ -99,7 +99,6 @@ class ClusterStore(NodeSharing, TieredStore):
             raise ValueError(f"replicas must be an int from 1 to 16, got {self.replicas!r}")
         self._mode_default: WriteMode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
             or WriteMode.WRITE_THROUGH
-        self._async_default = self._mode_default is WriteMode.ASYNC
         if member is None:
             member = os.environ.get("YRCACHE_MEMBER", "1").lower() in ENV_TRUE
         tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
@@ -163,7 +162,7 @@ class ClusterStore(NodeSharing, TieredStore):
                                or f"{socket.gethostname()}-{self.name}")
         router = self._router
         router.member_id = member_id
-        self._node = router.node = Node(self._local, member_id, router)
+        self._node = router.node = Node(self._local, member_id, router, self._mode_default is WriteMode.ASYNC)
         router.on_change.append(self._node.rebalancer.poke)
         self._own = self._node.own
         self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
@@ -230,16 +229,14 @@ class ClusterStore(NodeSharing, TieredStore):
             sync_timeout: float | None = None) -> None:
         """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
         own = self._own
-        if own is not None and tier is None and ttl is None and type(priority) is int and priority == 0 \
-                and (self._async_default if write_mode is None else write_mode is WriteMode.ASYNC
-                     or (type(write_mode) is str and write_mode == "async")):
-            # the common hybrid case in one C call (_csrc/fast_own.c): the key's lock, a
-            # version, the local store's put, the forwarder's queue
-            done = own.put(key, value)
+        if own is not None:
+            # the common hybrid case, an ASYNC put with no options, in one C call
+            # (_csrc/fast_own.c): the key's lock, a version, the local put, the queue
+            done = own.put(key, value, tier, priority, ttl, write_mode)
             if done is True:
                 self._ops["puts"] += 1
                 return
-            if done:                # stored at this version; the forwarder's queue was busy or full
+            if done:                # stored at this version: the queue is full or the forwarder asleep
                 own_node = self._node
                 assert own_node is not None
                 own_node.forwarder.add(key, done)
