@@ -121,3 +121,7 @@ class OwnPuts:
         newer version held here), a version: stored, ``Forwarder.add`` it (the queue is full
         or the forwarder asleep), None: an ndarray layout to learn first, False: the general
         path (nothing stored)."""
+    def serve(self, buf: bytearray, start: int, end: int, /) -> tuple | None:
+        """A whole, plain PUT or GET frame at ``buf[start:end]`` answered here: ``(consumed,
+        reply)``, or ``(consumed, reply, key, version)`` (then ``Forwarder.add`` them); None:
+        the general path (nothing consumed)."""

@@ -1,6 +1,7 @@
 /* Shared by the files of yrcache._fast: fast.c (the HotPath type, its reads and
  * puts), fast_values.c (the values it builds and the headers it finds), fast_wire.c
- * (cluster batches) and fast_own.c (a member's clock and own ASYNC puts). */
+ * (cluster batches), fast_own.c (a member's clock and own ASYNC puts) and fast_serve.c
+ * (a member's single PUT and GET frames). */
 #ifndef YR_FAST_H
 #define YR_FAST_H
 #define PY_SSIZE_T_CLEAN
@@ -104,7 +105,46 @@ PyObject *HotPath_mreply(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
 const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen);
 extern PyMethodDef wire_functions[];   /* module functions: MGET requests and replies of a pure client */
 
-/* fast_own.c */
-int own_ready(PyObject *m);            /* adds Clock and OwnPuts (a member's own ASYNC puts) to the module */
+/* fast_own.c: a member's clock, key locks and own ASYNC puts (see there) */
+typedef struct {
+    PyObject_HEAD
+    unsigned long long last;     /* the latest hlc handed out or observed */
+    unsigned long long writer;   /* this process's random 63-bit writer id */
+} Clock;
+
+/* KeyLock: the lock of a group of keys on a member (Node.lock(key)), a threading.Lock
+ * that OwnPuts takes and gives back without calling into Python. */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+} KeyLock;
+
+typedef struct {
+    PyObject_HEAD
+    HotPath *hot;                /* the member's arena */
+    Clock *clock;
+    PyObject *versions;          /* dict: key -> (hlc, writer) */
+    PyObject *tombs;             /* dict: key -> ((hlc, writer), when) */
+    PyObject *single;            /* set: keys of WriteMode.NONE objects */
+    PyObject *locks;             /* list of 64 KeyLock: the key's is locks[hash(key) & 63] */
+    PyObject *queue;             /* the forwarder's OrderedDict: key -> (version, targets) */
+    PyObject *forwarder;         /* for its _asleep flag */
+    PyObject *modes;             /* tuple: the write_mode= objects that mean ASYNC here (None when the default) */
+    Py_ssize_t queue_max, batch;
+    int prefaulted;
+    int active;                  /* this member is in the ring (Router.update keeps it) */
+} OwnPuts;
+
+extern PyTypeObject ClockType, KeyLockType, OwnPutsType;
+unsigned long long clock_take(Clock *c, unsigned long long n);
+int keylock_take(KeyLock *self, int blocking);
+int version_parts(PyObject *v, unsigned long long *hlc, unsigned long long *writer);
+int not_newer(OwnPuts *self, PyObject *key, unsigned long long hlc, unsigned long long writer);
+int applied(OwnPuts *self, PyObject *key, PyObject *version);
+int enqueue(OwnPuts *self, PyObject *key, PyObject *version, unsigned long long hlc, unsigned long long writer);
+int own_ready(PyObject *m);            /* adds Clock, KeyLock and OwnPuts to the module */
+
+/* fast_serve.c: a member's single PUT and GET frames (OwnPuts.serve) */
+PyObject *OwnPuts_serve(OwnPuts *self, PyObject *const *args, Py_ssize_t nargs);
 
 #endif

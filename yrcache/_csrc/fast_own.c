@@ -22,16 +22,11 @@
  *          general path (not active, an option, a key or value put_value would not
  *          take, the key's lock held by another thread, no room).  Nothing is stored then.
  * On a cold path (code idle for milliseconds, as between an application's puts) each
- * Python step costs microseconds; here the whole step costs about what a local put does. */
+ * Python step costs microseconds; here the whole step costs about what a local put does.
+ * OwnPuts.serve, a member's single PUT and GET frames from other processes, is fast_serve.c. */
 #include "fast.h"
 #include <sys/random.h>
 #include <time.h>
-
-typedef struct {
-    PyObject_HEAD
-    unsigned long long last;     /* the latest hlc handed out or observed */
-    unsigned long long writer;   /* this process's random 63-bit writer id */
-} Clock;
 
 static unsigned long long now_hlc(void) {
     struct timespec ts;
@@ -40,7 +35,7 @@ static unsigned long long now_hlc(void) {
 }
 
 /* The first of n (>= 1) consecutive hlcs after everything handed out or observed. */
-static unsigned long long clock_take(Clock *c, unsigned long long n) {
+unsigned long long clock_take(Clock *c, unsigned long long n) {
     unsigned long long now = now_hlc(), first = c->last + 1 > now ? c->last + 1 : now;
     c->last = first + n - 1;
     return first;
@@ -109,12 +104,6 @@ PyTypeObject ClockType = {
     .tp_members = Clock_members,
 };
 
-/* KeyLock: the lock of a group of keys on a member (Node.lock(key)), a threading.Lock
- * that OwnPuts takes and gives back without calling into Python. */
-typedef struct {
-    PyObject_HEAD
-    PyThread_type_lock lock;
-} KeyLock;
 
 static int KeyLock_init(KeyLock *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {NULL};
@@ -138,7 +127,7 @@ static int keylock_ready(KeyLock *self) {
 }
 
 /* Taken: 1 (waiting, with the GIL released, unless `blocking` is 0); not taken: 0. */
-static int keylock_take(KeyLock *self, int blocking) {
+int keylock_take(KeyLock *self, int blocking) {
     if (PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) return 1;
     if (!blocking) return 0;
     Py_BEGIN_ALLOW_THREADS
@@ -205,21 +194,6 @@ PyTypeObject KeyLockType = {
     .tp_methods = KeyLock_methods,
 };
 
-typedef struct {
-    PyObject_HEAD
-    HotPath *hot;                /* the member's arena */
-    Clock *clock;
-    PyObject *versions;          /* dict: key -> (hlc, writer) */
-    PyObject *tombs;             /* dict: key -> ((hlc, writer), when) */
-    PyObject *single;            /* set: keys of WriteMode.NONE objects */
-    PyObject *locks;             /* list of 64 KeyLock: the key's is locks[hash(key) & 63] */
-    PyObject *queue;             /* the forwarder's OrderedDict: key -> (version, targets) */
-    PyObject *forwarder;         /* for its _asleep flag */
-    PyObject *modes;             /* tuple: the write_mode= objects that mean ASYNC here (None when the default) */
-    Py_ssize_t queue_max, batch;
-    int prefaulted;
-    int active;                  /* this member is in the ring (Router.update keeps it) */
-} OwnPuts;
 
 static PyObject *s_asleep;
 
@@ -265,7 +239,7 @@ static int OwnPuts_init(OwnPuts *self, PyObject *args, PyObject *kwds) {
 }
 
 /* The hlc and writer of a version tuple; -1 with an error set. */
-static int version_parts(PyObject *v, unsigned long long *hlc, unsigned long long *writer) {
+int version_parts(PyObject *v, unsigned long long *hlc, unsigned long long *writer) {
     if (!PyTuple_Check(v) || PyTuple_GET_SIZE(v) != 2) {
         PyErr_SetString(PyExc_TypeError, "a version is a (hlc, writer) tuple");
         return -1;
@@ -276,9 +250,9 @@ static int version_parts(PyObject *v, unsigned long long *hlc, unsigned long lon
     return *writer == (unsigned long long)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* Is (hlc, writer) at or below the key's version here (a tombstone's when deleted)? 1
- * yes, 0 no (or none), -1 error. */
-static int not_newer(OwnPuts *self, PyObject *key, unsigned long long hlc, unsigned long long writer) {
+/* Is (hlc, writer) below the key's version here (a tombstone's when deleted)? 1 below,
+ * 2 the same, 0 newer (or none here), -1 error. */
+int not_newer(OwnPuts *self, PyObject *key, unsigned long long hlc, unsigned long long writer) {
     PyObject *cur = PyDict_GetItemWithError(self->versions, key);      /* borrowed */
     if (!cur) {
         if (PyErr_Occurred()) return -1;
@@ -293,11 +267,12 @@ static int not_newer(OwnPuts *self, PyObject *key, unsigned long long hlc, unsig
     }
     unsigned long long ch, cw;
     if (version_parts(cur, &ch, &cw) < 0) return -1;
-    return hlc < ch || (hlc == ch && writer <= cw);
+    if (hlc == ch && writer == cw) return 2;
+    return hlc < ch || (hlc == ch && writer < cw);
 }
 
 /* Node._applied: versions[key] = version; no tombstone and not a single-copy object. */
-static int applied(OwnPuts *self, PyObject *key, PyObject *version) {
+int applied(OwnPuts *self, PyObject *key, PyObject *version) {
     if (PyDict_SetItem(self->versions, key, version) < 0) return -1;
     if (PyDict_GET_SIZE(self->tombs)) {
         int has = PyDict_Contains(self->tombs, key);
@@ -311,7 +286,7 @@ static int applied(OwnPuts *self, PyObject *key, PyObject *version) {
  * _asleep before its last look at the queue, and re-queues with setdefault).  1 queued
  * (or a newer version was queued already); 0 not queued, or queued but the forwarder
  * must be woken: the caller's Forwarder.add does it (it may wait for room). */
-static int enqueue(OwnPuts *self, PyObject *key, PyObject *version, unsigned long long hlc,
+int enqueue(OwnPuts *self, PyObject *key, PyObject *version, unsigned long long hlc,
                    unsigned long long writer) {
     Py_ssize_t n = PyObject_Length(self->queue);
     if (n < 0) return -1;
@@ -420,6 +395,10 @@ static PyMethodDef OwnPuts_methods[] = {
      "must be its default and write_mode ASYNC): True done, a version: stored, Forwarder.add it (it "
      "may wait for room, or wake the forwarder), None: an ndarray layout to learn first, False: the "
      "general path (nothing stored)."},
+    {"serve", (PyCFunction)(void (*)(void))OwnPuts_serve, METH_FASTCALL,
+     "serve(buf, start, end) -> (consumed, reply) | (consumed, reply, key, version) | None: a whole, "
+     "plain PUT or GET frame at buf[start:end] answered here (see _csrc/fast_own.c); with key and "
+     "version, Forwarder.add them; None: the general path (nothing consumed)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,6 +63,7 @@ class Node(tp.Handler):
             modes = (WriteMode.ASYNC, "async") + ((None,) if async_default else ())
             self.own = OwnPuts(a.hot, router.clock, self.versions, self.tombs, self.single, self._locks, fw,
                                fw._q, modes, QUEUE_MAX, BATCH, a.prefaulted)
+            self.serve = self.own.serve       # plain single PUTs and GETs from other processes, in C too
 
     def close(self) -> None:
         if self.own is not None:
@@ -173,6 +174,9 @@ class Node(tp.Handler):
         if status == tp.OK and f.flags & tp.F_REPLICATE:
             self.forwarder.add(f.key, f.version)
         return status
+
+    def queue(self, key: str, version: Version) -> None:
+        self.forwarder.add(key, version)
 
     def put_many(self, items: list[tp.PutItem], flags: int) -> list[int]:
         """The puts of one MPUT frame, each checked and applied as :meth:`put` does, under

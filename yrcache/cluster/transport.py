@@ -92,6 +92,16 @@ class Handler:
         and how many keys it answers, in one piece; None: answer it key by key (``get_many``)."""
         return None
 
+    #: ``serve(buf, start, end)``: answer the whole frame at ``buf[start:end]`` at once, or
+    #: None (the general path reads it). It returns ``(consumed, reply)``, or ``(consumed,
+    #: reply, key, version)`` when ``queue(key, version)`` must follow. A member's node
+    #: answers plain single PUTs and GETs in C this way (``OwnPuts.serve``).
+    serve: Callable[[bytearray, int, int], tuple | None] | None = None
+
+    def queue(self, key: str, version: tuple[int, int]) -> None:
+        """Forward ``key`` at ``version`` to its other owners (after a ``serve`` that asks)."""
+        raise NotImplementedError
+
     def delete(self, f: Frame) -> int:
         raise NotImplementedError
 
@@ -193,8 +203,20 @@ class Server:
             conn.settimeout(None)
             rd = Reader(conn)
             out: list[Any] = []          # replies corked while more requests are buffered
+            serve = self.handler.serve
             while not self._closed:
-                self._one(conn, rd, read_frame(rd), out)
+                done = None
+                if serve is not None:
+                    if rd.end - rd.start < HDR.size:
+                        rd.fill()
+                    done = serve(rd.buf, rd.start, rd.end)
+                if done is not None:       # a plain PUT or GET answered in one call
+                    rd.consumed(done[0])
+                    out.append(done[1])
+                    if len(done) > 2:
+                        self.handler.queue(done[2], done[3])
+                else:
+                    self._one(conn, rd, read_frame(rd), out)
                 if out and not rd.buffered:
                     if len(out) == 1:
                         conn.sendall(out[0])

@@ -172,6 +172,24 @@ class Reader:
                 raise ConnectionError(f"peer closed the connection ({self.end} of {n} bytes of a frame)")
             self.end += got
 
+    def fill(self) -> None:
+        """Receive what the socket has (at least one byte) after what is buffered."""
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == self.SIZE:
+            self._want(self.end - self.start + 1)
+            return
+        got = self.sock.recv_into(self.view[self.end:])
+        if not got:
+            raise ConnectionError("peer closed the connection")
+        self.end += got
+
+    def consumed(self, n: int) -> None:
+        """Drop the next ``n`` buffered bytes (a frame answered from the buffer)."""
+        self.start += n
+        if self.start == self.end:
+            self.start = self.end = 0
+
     def take(self, n: int) -> memoryview:
         """The next ``n`` (<= 64 KiB) bytes, valid until the next call."""
         self._want(n)
