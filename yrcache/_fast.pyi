@@ -1,4 +1,4 @@
-# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast.c, fast_values.c, fast_wire.c, fast_own.c).
+# Types of yrcache._fast, the C hot paths of get, put and mget (yrcache/_csrc/fast*.c).
 from typing import Any, Literal
 
 def keys_valid(keys: list, max_key: int, /) -> bool:
