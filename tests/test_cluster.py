@@ -655,6 +655,20 @@ def test_sync_timeout_names_the_silent_owner_and_repair_copies_it_later(etcd, tm
             # no membership change happened: the periodic repair pass copies it to b
             wait_for(lambda: "k" in b.keys(), 15, "the repair pass to copy k to the owner that missed it")
             assert bytes(c["k"]) == b"v"
+            # now with pooled connections to both: the frame goes out, b's answer never comes
+            # (the kernel's receive timeout on the client's blocking socket)
+            c.put("k2", b"v")
+            b.proc.send_signal(signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(ClusterUnavailableError, match=f"{b.member_id}.*did not answer within 0.5 s"):
+                    c.put("k2", b"v2", sync_timeout=0.5)
+                assert time.monotonic() - t0 < 5
+            finally:
+                b.proc.send_signal(signal.SIGCONT)
+            assert bytes(c.get("k2")) in (b"v", b"v2")
+            c.put("k3", b"v3")                          # the connection that timed out was dropped
+            assert bytes(c["k3"]) == b"v3"
     finally:
         h.close()
 
