@@ -288,6 +288,64 @@ def test_a_members_own_put_in_c_stores_versions_queues_or_says_why_not(harness, 
     assert not own.active                            # closed: off
 
 
+def test_a_child_forked_from_a_member_writes_through_it_and_leaves_it_a_member(harness, store_name):
+    """A DataLoader worker forked from a member process: its writes go over TCP to the
+    member (which keeps their versions and forwards them), not into the child's copy of
+    the member's tables, and it never uses the parent's pooled connections, etcd client
+    or lease: closing the store in the child leaves the parent in the ring."""
+    import json
+
+    harness.start(1)
+    m = TieredStore(cluster=f"etcd://{harness.etcd.endpoint}/{harness.cluster}", member=True, name=store_name,
+                    dram="64MiB", lease_ttl=TTL, replicas=2)
+    try:
+        harness.wait_members(m, 2)
+        m.put("before", b"parent")                       # pooled connections in the parent
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                     # the child: report, then exit at once
+            out = {}
+            try:
+                m.put("c/wt", b"write-through from the child")
+                m.put("c/async", b"async from the child", write_mode="async")
+                m.put("c/arr", np.arange(6, dtype=np.int32), write_mode="async")
+                m.flush(10)
+                for i in range(200):                     # while the parent does the same
+                    m.put(f"c/{i}", b"c%d" % i, sync_timeout=5)
+                    assert bytes(m.get(f"c/{i}")) == b"c%d" % i, i
+                out = {"wt": bytes(m.get("c/wt")).decode(), "writer": m._router.clock.writer, "role": m.role,
+                       "before": bytes(m.get("before")).decode()}
+                m.close()                                # what exiting would do (atexit)
+            except BaseException as e:                   # noqa: BLE001 - reported to the parent
+                out = {"error": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        for i in range(200):                             # its own connections, the child's meanwhile
+            m.put(f"p/{i}", b"p%d" % i, sync_timeout=5)
+            assert bytes(m.get(f"p/{i}")) == b"p%d" % i, i
+        os.waitpid(pid, 0)
+        with os.fdopen(r) as f:
+            got = json.loads(f.read() or "{}")
+        assert "error" not in got, got
+        assert got["wt"] == "write-through from the child" and got["before"] == "parent"
+        assert got["role"] == "attached" and m.role == "member"
+        assert got["writer"] != m._router.clock.writer                      # its own writer id
+        for k in ("c/wt", "c/async", "c/arr"):                              # the member knows them
+            assert m._node.versions[k][1] == got["writer"], k
+        m.flush(10)
+        assert all(harness.copies().get(k) == 1 for k in ("c/wt", "c/async", "c/arr"))
+        assert np.array_equal(m.get("c/arr"), np.arange(6, dtype=np.int32))
+        time.sleep(3 * TTL)                              # the lease is still the parent's, alive
+        with harness.client(replicas=2) as c:
+            harness.wait_members(c, 2)
+            assert m._router.member_id in c._router.members
+            m.put("after", b"parent again")              # its own connections still in step
+            assert bytes(c.get("after")) == b"parent again" and bytes(c.get("c/async")) == b"async from the child"
+    finally:
+        m.destroy()
+
+
 # ---- a machine is one member -----------------------------------------------------------
 _WORKER = textwrap.dedent("""
     import sys, numpy as np

@@ -128,6 +128,17 @@ class Router:
             for cb in self.on_change:
                 cb()
 
+    def forked(self) -> None:
+        """In a forked child: pooled connections of its own (a socket shared with the parent
+        would interleave two processes' frames) and a writer id of its own (two writers with
+        one id could give two different writes the same version); versions still rise."""
+        self._lock = threading.Lock()
+        self._peers = {}
+        self.on_change = []
+        clock = Clock()
+        clock.observe(self.clock.last)
+        self.clock = clock
+
     def close(self) -> None:
         with self._lock:
             for p in self._peers.values():

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .. import codec
+from ..errors import ClusterUnavailableError
 from ..validate import key_bytes
 from . import transport as tp
 from .records import Mirror, ProcessWords, SharedWord
@@ -46,7 +47,11 @@ class NodeSharing:
         A pure client (no arena) mirrors the words into its own memory, with an etcd
         watch of its own started on first use."""
         self._check_open()
-        assert self._membership is not None
+        if self._membership is None:
+            raise ClusterUnavailableError(
+                "this process was forked from the one that opened the cluster store, and etcd's "
+                "client does not survive a fork: open the store in this process (TieredStore() with "
+                "the same environment attaches to the node), or start workers with 'spawn'")
         w = self._shared.get(name)
         if w is None:
             if self._local is not None:

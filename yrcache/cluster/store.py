@@ -55,6 +55,16 @@ def _close_all() -> None:
         except Exception:       # noqa: BLE001 - exiting anyway
             pass
 
+
+def _after_fork_in_child() -> None:
+    for ref in list(_LIVE.values()):
+        s = ref()
+        if s is not None and not s._closed:
+            s._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 _MISSING = object()
 
 
@@ -537,6 +547,21 @@ class ClusterStore(NodeSharing, TieredStore):
         return i["tier"]
 
     # ---- life cycle --------------------------------------------------------------------
+    def _forked(self) -> None:
+        """In a child forked from this process (a DataLoader worker): the child is an attached
+        process of this node, not its member. Writes go over TCP to the member (the parent
+        keeps the versions and the forwarder), the parent's connections, lease and etcd client
+        stay the parent's (closing them here would end its membership), and the child keeps the
+        member set it was forked with (no watch of its own)."""
+        self._router.forked()
+        self._own = None
+        if self.role == "member":
+            self.role = "attached"
+        self._node = self._router.node = None
+        self._server = self._membership = self._mirror = None
+        self._shared = {}
+        self._lock = threading.Lock()
+
     def close(self, handover: bool = False) -> None:
         """Leave the cluster and release this handle. ``handover=True`` (a member only)
         first moves this node's objects to their other owners (``yrcache node`` on SIGTERM)."""
