@@ -2,8 +2,8 @@
  * rest of OwnPuts is fast_own.c; the frame format is cluster/wire.py).
  *
  * transport.Server hands serve(buf, start, end) its read buffer before any Python
- * parses the next frame; serve(buf, start, end) answers the frame at buf[start:end] when it is whole and plain:
- * a PUT of at most SMALL_PUT bytes with no tier, ttl or priority (a WriteMode.NONE
+ * parses the next frame; serve answers the frame at buf[start:end] when it is whole
+ * and plain: a PUT of at most SMALL_PUT bytes with no tier, ttl or priority (a WriteMode.NONE
  * object too: the general path), of bytes or a learned ndarray layout, applied as
  * Node.apply does (the key's lock, the version rule, clock.observe, F_REPLICATE:
  * queued); a GET of a whole DRAM object of at most SMALL_GET bytes, copied into the
