@@ -104,7 +104,6 @@ PyTypeObject ClockType = {
     .tp_members = Clock_members,
 };
 
-
 static int KeyLock_init(KeyLock *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, ":KeyLock", kwlist)) return -1;
@@ -194,7 +193,6 @@ PyTypeObject KeyLockType = {
     .tp_methods = KeyLock_methods,
 };
 
-
 static PyObject *s_asleep;
 
 static void OwnPuts_dealloc(OwnPuts *self) {
@@ -218,7 +216,8 @@ static int OwnPuts_init(OwnPuts *self, PyObject *args, PyObject *kwds) {
                              "modes", "queue_max", "batch", "prefaulted", NULL};
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!O!O!O!O!OOO!nnp:OwnPuts", kwlist, &HotPathType, &hot,
                                      &ClockType, &clock, &PyDict_Type, &versions, &PyDict_Type, &tombs,
-                                     &PySet_Type, &single, &PyList_Type, &locks, &forwarder, &queue, &PyTuple_Type, &modes, &queue_max, &batch, &prefaulted))
+                                     &PySet_Type, &single, &PyList_Type, &locks, &forwarder, &queue, &PyTuple_Type,
+                                     &modes, &queue_max, &batch, &prefaulted))
         return -1;
     int ok = PyList_GET_SIZE(locks) == 64 && PyDict_Check(queue) && queue_max >= 1 && batch >= 1;
     for (Py_ssize_t i = 0; ok && i < 64; i++)
