@@ -95,6 +95,8 @@ int values_ready(void);
 void values_clear(HotPath *self);
 PyObject *pinned_value(HotPath *self, const yr_objinfo *f, int views, int *owned);
 int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta);
+int put_view(HotPath *self, const char *kb, Py_ssize_t klen, PyObject *meta, const Py_buffer *view,
+             int prefaulted);
 PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_mput_values(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *HotPath_learn(HotPath *self, PyObject *const *args, Py_ssize_t nargs);

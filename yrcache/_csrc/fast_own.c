@@ -357,16 +357,7 @@ static PyObject *OwnPuts_put(OwnPuts *self, PyObject *const *args, Py_ssize_t na
         if (older > 0) out = Py_NewRef(Py_True);
         goto unlock;
     }
-    int populate = !self->prefaulted && view.len >= POPULATE_MIN;
-    Py_INCREF(meta);     /* learn() may replace the entry while the GIL is released */
-    yr_retired retired;
-    int r;
-    Py_BEGIN_ALLOW_THREADS
-    r = hot->put(hot->base, hot->slot, kb, (uint32_t)klen, PyBytes_AS_STRING(meta),
-                 (uint32_t)PyBytes_GET_SIZE(meta), view.buf, (uint64_t)view.len, 0, 0.0, populate, &retired);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(meta);
-    if (r != YR_OK) {
+    if (put_view(hot, kb, klen, meta, &view, self->prefaulted) != YR_OK) {
         out = Py_NewRef(Py_False);
         goto unlock;
     }

@@ -160,6 +160,23 @@ int value_view(HotPath *self, PyObject *value, Py_buffer *view, PyObject **meta)
     return !self->ndarray && !strcmp(Py_TYPE(value)->tp_name, "numpy.ndarray") ? 0 : -1;
 }
 
+/* Store `view` under `key` and the codec header `meta` with priority 0 and no ttl (its
+ * pages mapped first when the mapping was not prefaulted), the copy with the GIL
+ * released; the arena's return code.  put_value's step, and OwnPuts.put's. */
+int put_view(HotPath *self, const char *kb, Py_ssize_t klen, PyObject *meta, const Py_buffer *view,
+             int prefaulted) {
+    int populate = !prefaulted && view->len >= POPULATE_MIN;
+    Py_INCREF(meta);     /* learn() may replace the entry while the GIL is released */
+    yr_retired out;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = self->put(self->base, self->slot, kb, (uint32_t)klen, PyBytes_AS_STRING(meta),
+                  (uint32_t)PyBytes_GET_SIZE(meta), view->buf, (uint64_t)view->len, 0, 0.0, populate, &out);
+    Py_END_ALLOW_THREADS
+    Py_DECREF(meta);
+    return r;
+}
+
 /* put_value(key, value, prefaulted): put(), with the value's codec header found
  * here: b"B" for bytes and bytearray, a learned header for a C-contiguous
  * ndarray.  True: stored; None: an ndarray of a layout not learned yet (the
@@ -176,15 +193,7 @@ PyObject *HotPath_put_value(HotPath *self, PyObject *const *args, Py_ssize_t nar
     Py_buffer view;
     int found = value_view(self, args[1], &view, &meta);
     if (found <= 0) return Py_NewRef(found == 0 ? Py_None : Py_False);
-    int populate = !PyObject_IsTrue(args[2]) && view.len >= POPULATE_MIN;
-    Py_INCREF(meta);     /* learn() may replace the entry while the GIL is released */
-    yr_retired out;
-    int r;
-    Py_BEGIN_ALLOW_THREADS
-    r = self->put(self->base, self->slot, kb, (uint32_t)klen, PyBytes_AS_STRING(meta),
-                  (uint32_t)PyBytes_GET_SIZE(meta), view.buf, (uint64_t)view.len, 0, 0.0, populate, &out);
-    Py_END_ALLOW_THREADS
-    Py_DECREF(meta);
+    int r = put_view(self, kb, klen, meta, &view, PyObject_IsTrue(args[2]));
     PyBuffer_Release(&view);
     if (r == YR_OK) Py_RETURN_TRUE;
     Py_RETURN_FALSE;

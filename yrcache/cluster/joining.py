@@ -1,0 +1,116 @@
+"""How a ``ClusterStore`` process joins its cluster: it creates this machine's arena (then
+it is the node's member: it serves the arena on a data port and registers in etcd) or
+attaches to the arena that exists, or, as a pure client, only watches the member set."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .._fast import OwnPuts
+from ..config import WriteMode
+from ..errors import ClusterUnavailableError, StoreNotFoundError
+from ..store import TieredStore
+from . import transport as tp
+from .membership import Membership, check_name
+from .member import Node
+from .records import Mirror
+
+if TYPE_CHECKING:
+    from .replication import Router
+
+log = logging.getLogger("yrcache.cluster")
+
+
+class Joining:
+    """Mixed into ``ClusterStore``: the set-up steps of its ``__init__``."""
+
+    if TYPE_CHECKING:
+        name: str
+        cluster: str
+        role: str
+        member_id: str | None
+        address: str | None
+        _local: TieredStore | None
+        _router: Router
+        _node: Node | None
+        _own: OwnPuts | None
+        _server: tp.Server | None
+        _membership: Membership | None
+        _mirror: Mirror | None
+        _mode_default: WriteMode
+
+    def _open_local(self, pickle: bool, local: dict[str, Any]) -> None:
+        """Create this machine's arena (we are its member) or attach to the one that exists."""
+        if local.get("policy", "spill") != "spill":
+            raise ValueError("a cluster member keeps every object it is given (policy='spill'): a cache "
+                             "that dropped objects would drop replicas the cluster counts on")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)
+                self.role = "member"
+                return
+            except FileExistsError:
+                self._local = TieredStore.attach(self.name, pickle=pickle)
+                self.role = "attached"
+                return
+            except StoreNotFoundError:       # another process of this machine is creating it
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+
+    def _forget_old_objects(self) -> None:
+        """A member starts empty: objects left in an adopted arena (or SSD directory) from an
+        earlier run carry no version, so they could bring back keys deleted meanwhile; the
+        cluster's other copies are the truth, and rebalancing fills this member again."""
+        assert self._local is not None
+        n = len(self._local)
+        if n:
+            log.warning("store %r held %d objects from an earlier run; a rejoining member starts "
+                        "empty (the other members hold the current copies)", self.name, n)
+            self._local.clear()
+
+    def _serve(self, endpoints: str, ttl: float, listen: str | None, token: bytes | None) -> None:
+        assert self._local is not None
+        member_id = check_name("member id", os.environ.get("YRCACHE_NODE_ID")
+                               or f"{socket.gethostname()}-{self.name}")
+        router = self._router
+        router.member_id = member_id
+        self._node = router.node = Node(self._local, member_id, router, self._mode_default is WriteMode.ASYNC)
+        router.on_change.append(self._node.rebalancer.poke)
+        self._own = self._node.own
+        self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
+        address = os.environ.get("YRCACHE_ADVERTISE") or self._server.address
+        self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
+                                      on_change=router.update).start()
+        router.update(self._membership.members())
+        self._mirror = Mirror(self._local, endpoints, self.cluster)
+        cfg = dict(self._local._config)
+        cfg.update(cluster_member=member_id, cluster_address=address, cluster=self.cluster, cluster_etcd=endpoints)
+        self._local._a.write_config(cfg)
+        self.member_id = member_id
+        self.address = address
+
+    def _watch(self, endpoints: str, ttl: float) -> None:
+        self._membership = Membership(endpoints, self.cluster, f"client-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                      "-", ttl=ttl, on_change=self._router.update, register=False).start()
+        self._router.update(self._membership.members())
+        self.member_id = self._router.member_id
+
+    def _wait_member_id(self) -> str:
+        assert self._local is not None
+        end = time.monotonic() + 30
+        while True:
+            cfg = self._local._a.read_config() or {}
+            if cfg.get("cluster_member"):
+                return str(cfg["cluster_member"])
+            if time.monotonic() > end:
+                raise ClusterUnavailableError(
+                    f"store {self.name!r} exists on this machine but its process never joined the cluster; "
+                    "is it a cluster store? (same YRCACHE_ETCD for every process of a node)")
+            time.sleep(0.02)
