@@ -676,11 +676,13 @@ class Bench:
                               + (errors_of(workers, replies) or "(no worker reported an error)")) from None
         time.sleep(SETTLE_S)
         busy0 = U.ForeignLoad._machine_busy()
+        nodes0 = self.node_cpu()
         t0 = mono()
         sync["go"].set()
         replies = collect(workers, self.round_timeout)
         t1 = mono()
         busy1 = U.ForeignLoad._machine_busy()
+        nodes1 = self.node_cpu()
         errs = errors_of(workers, replies)
         if errs:
             raise RoundFailed(f"{method} v{version}:\n{errs}")
@@ -688,7 +690,8 @@ class Bench:
         trainers, rollouts = vals[:TRAINERS], vals[TRAINERS:]
         r = {"version": version, "timed": timed, "t0": t0, "seconds": max(x["t_done"] for x in rollouts) - t0,
              "window_s": t1 - t0, "machine_busy_cpu_s": (busy1 - busy0) if busy0 is not None and busy1 is not None
-             else None, "trainers": trainers, "rollouts": rollouts}
+             else None, "trainers": trainers, "rollouts": rollouts,
+             "node_cpu_s": {k: nodes1[k] - nodes0[k] for k in nodes0 if k in nodes1}}
         bad = [b for lst in call_all(workers, "verify", method, version, timeout=600) for b in lst]
         if bad:
             raise WrongBytes(f"{method} v{version}: wrong slices:\n" + "\n".join(bad))
@@ -705,6 +708,18 @@ class Bench:
         log(f"{method}: v{version} ({'timed' if timed else 'warm-up'}) {r['seconds'] * 1e3:.0f} ms, "
             f"8 slices verified")
         return r
+
+    def node_cpu(self) -> dict[str, float]:
+        """CPU seconds (user + system) each node process has used so far, by short name."""
+        out = {}
+        for short, node in self.nodes.items():
+            try:
+                with open(f"/proc/{node.proc.pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out[short] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            except (OSError, AttributeError, IndexError, ValueError):
+                pass
+        return out
 
     def rounds(self) -> None:
         cfg = self.cfg
@@ -936,6 +951,9 @@ def breakdown(res: dict) -> str:
             lines.append(f"cpu {meth:7}: CPU ms in the round t0/t1/r0..r7 "
                          + "/".join(m(lambda r, i=i: (r["trainers"] + r["rollouts"])[i]["cpu_s"], R)
                                     for i in range(WORLD))
+                         + "; node processes " + "/".join(
+                             m(lambda r, k=k: r.get("node_cpu_s", {}).get(k, float("nan")), R)
+                             for k in ("t0", "t1", "r0", "r1", "r2", "r3"))
                          + "; the whole machine kept " + "/".join(
                              f"{r['machine_busy_cpu_s'] / r['window_s']:.2f}" for r in R
                              if r.get("machine_busy_cpu_s") is not None) + f" of {os.cpu_count()} CPUs busy")

@@ -195,6 +195,32 @@ def test_fetch_into(make_store):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
 
 
+
+def test_large_results_reuse_pooled_pages_and_stay_private(make_store):
+    """A fetch's results of 1 MiB or more sit on pooled private buffers: dropping them
+    hands the pages back (the next fetch takes them instead of faulting new ones);
+    results held at once never share memory and writing one changes nothing stored."""
+    from yrcache import buffers
+    store = make_store(dram="64MiB")
+    full = {"w": torch.arange(1024 * 512, dtype=torch.float32).view(1024, 512),   # 2 MiB
+            "a": np.arange(1024 * 256, dtype=np.float64).reshape(256, 1024)}       # 2 MiB
+    WeightPublisher(store, "policy").publish(full, version=1)
+    sub = WeightSubscriber(store, "policy")
+    before = buffers.POOL.pooled
+    out = sub.fetch(1)
+    assert torch.equal(out["w"], full["w"]) and np.array_equal(out["a"], full["a"])
+    took = before - buffers.POOL.pooled                  # 0: the pool was empty, new mappings
+    del out
+    gc.collect()
+    assert buffers.POOL.pooled == before - took + (4 << 20)   # both results' pages came back
+    one, two = sub.fetch(1), sub.fetch(1)
+    assert buffers.POOL.pooled <= before - took               # the first took the pooled pages
+    one["w"].fill_(-1.0)
+    one["a"][:] = -1.0
+    assert torch.equal(two["w"], full["w"]) and np.array_equal(two["a"], full["a"])
+    assert torch.equal(sub.fetch(1)["w"], full["w"])
+    assert one["a"].flags.writeable and one["w"].is_contiguous()
+
 def test_staging_buckets(make_store, monkeypatch):
     """Casting destinations are gathered through reused host buckets (small here: many refills)."""
     monkeypatch.setattr(W, "BUCKET_BYTES", 1024)

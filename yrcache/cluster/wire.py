@@ -12,18 +12,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import mmap
-import os
 import socket
 import struct
-import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import buffers
 from ..errors import YrcacheError
-from ..tiers.dram import ffi      # the compiled core's: cffi.FFI() would import pycparser (~30 ms)
 
 MAGIC = b"YR"
 PROTO = 1
@@ -257,51 +254,9 @@ def read_frame(rd: Reader) -> Frame:
     return Frame(op, flags, status, key, meta, plen, (hlc, writer), priority, expire_at, offset, length)
 
 
-class RecvPool:
-    """Receive buffers for large objects, reused once their values are dropped.
-
-    Faulting in fresh anonymous memory runs at about 1.5 GiB/s here, slower than
-    loopback TCP itself, so a fetch loop (a rollout worker taking every weight
-    version) would spend most of its time in page faults. A buffer handed out
-    here is a cffi buffer over a pooled ``mmap``; when the last view of the value
-    goes, its destructor puts the mapping back (up to ``limit`` bytes pooled).
-    """
-
-    STEP = 1 << 20
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.pooled = 0
-        self._free: dict[int, list[mmap.mmap]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> Any:
-        size = -(-n // self.STEP) * self.STEP
-        with self._lock:
-            free = self._free.get(size)
-            m = free.pop() if free else None
-            if m is not None:
-                self.pooled -= size
-        if m is None:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-            m = mmap.mmap(-1, size, flags=flags)
-        export = ffi.from_buffer(m)
-        ptr = ffi.gc(ffi.cast("char *", export), lambda _p, m=m, export=export: self._give(m, size))
-        return ffi.buffer(ptr, n)          # keeps ptr (and so the mapping) alive while referenced
-
-    def _give(self, m: mmap.mmap, size: int) -> None:
-        with self._lock:
-            if self.pooled + size <= self.limit:
-                self._free.setdefault(size, []).append(m)
-                self.pooled += size
-
-
-POOL = RecvPool(int(os.environ.get("YRCACHE_RECV_POOL") or 512 << 20))
-
-
 def alloc(n: int) -> Any:
     """A writable buffer of ``n`` bytes to receive an object into (pooled from 1 MiB)."""
-    return bytearray(n) if n < RecvPool.STEP else POOL.take(n)
+    return buffers.alloc(n)
 
 
 #: One put of an MPUT as the server hands it on: key, meta, payload, version, priority, expire_at.

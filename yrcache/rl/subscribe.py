@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from .. import codec
+from .. import buffers, codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
@@ -398,7 +398,11 @@ class WeightSubscriber:
         from one atomic snapshot of the version's parts.  ``into[name]`` (a
         contiguous tensor on any device, or an ndarray) receives its slice in
         place.  ``dtype`` casts floating-point results.  Raises ``KeyError``
-        when the version is not complete or was reclaimed.
+        when the version is not complete or was reclaimed.  Results without
+        ``into`` are private CPU memory, their own; from 1 MiB their pages come
+        from a per-process pool that takes them back when the result is dropped
+        (``YRCACHE_RECV_POOL``), so a loop over versions does not page-fault
+        every slice in again.
 
         ```python
         # rollout rank k of 4, tensor-parallel: column shard of w, fused QKV rows
@@ -508,10 +512,10 @@ class WeightSubscriber:
         if dst is None:
             if t.kind == "torch":
                 torch = _torch()
-                res = torch.empty(t.shape, dtype=getattr(torch, t.dtype))
+                res = buffers.empty_tensor(torch, getattr(torch, t.dtype), t.shape)
                 _run_plan(t.plan, srcs, codec.as_bytes_view(res))
                 return res if want is None or want == res.dtype else res.to(want)
-            res = np.empty(t.shape, dtype=np.dtype(t.dtype))
+            res = buffers.empty_array(t.dtype, t.shape)
             _run_plan(t.plan, srcs, res.reshape(-1).view(np.uint8))
             return res if want is None or want == res.dtype else res.astype(want)
         # ---- into=
