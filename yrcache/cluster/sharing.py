@@ -138,7 +138,7 @@ class NodeSharing:
             tp.gather_into(codec.flat_bytes(value).data, todo, out)
             return out
         got = self._router.read_spans(key, todo, into=None if dst is None else (lambda meta, k: dst),
-                                      prefer=prefer, skip=self._router.member_id if self._local else None)
+                                      prefer=prefer, skip=self._router.member_id if self._local is not None else None)
         return None if got is None else memoryview(got.buf).cast("B")
 
     @property

@@ -306,7 +306,8 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         value = self._local_get(key)
         if value is not None:
             return memoryview(codec.flat_bytes(value).data)[offset:offset + length].toreadonly()
-        got = self._router.read(key, offset, length, skip=self._router.member_id if self._local else None)
+        skip = self._router.member_id if self._local is not None else None    # (asked locally above)
+        got = self._router.read(key, offset, length, skip=skip)
         return None if got is None else memoryview(got[1]).toreadonly()
 
     def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Value | None]:
