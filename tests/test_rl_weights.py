@@ -195,7 +195,6 @@ def test_fetch_into(make_store):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
 
 
-
 def test_large_results_reuse_pooled_pages_and_stay_private(make_store):
     """A fetch's results of 1 MiB or more sit on pooled private buffers: dropping them
     hands the pages back (the next fetch takes them instead of faulting new ones);
@@ -220,6 +219,7 @@ def test_large_results_reuse_pooled_pages_and_stay_private(make_store):
     assert torch.equal(two["w"], full["w"]) and np.array_equal(two["a"], full["a"])
     assert torch.equal(sub.fetch(1)["w"], full["w"])
     assert one["a"].flags.writeable and one["w"].is_contiguous()
+
 
 def test_staging_buckets(make_store, monkeypatch):
     """Casting destinations are gathered through reused host buckets (small here: many refills)."""

@@ -75,7 +75,7 @@ def empty_array(dtype: Any, shape: tuple) -> np.ndarray:
 
 def empty_tensor(torch: Any, dtype: Any, shape: tuple) -> Any:
     """``torch.empty(shape, dtype=dtype)`` on the CPU, over a pooled buffer from 1 MiB."""
-    n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if n < STEP:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(POOL.take(n), dtype=dtype).view(shape)
