@@ -221,6 +221,22 @@ def test_large_results_reuse_pooled_pages_and_stay_private(make_store):
     assert one["a"].flags.writeable and one["w"].is_contiguous()
 
 
+def test_a_forked_child_takes_pooled_buffers_while_the_parent_holds_the_pool():
+    """A child forked while another thread of the parent held the pool's lock (here the
+    parent itself holds it across the fork) still gets buffers: a DataLoader worker forked
+    mid-fetch must not hang in its first fetch."""
+    from yrcache import buffers
+    ctx = multiprocessing.get_context("fork")
+    with buffers.POOL._lock:
+        child = ctx.Process(target=lambda: os._exit(0 if len(buffers.POOL.take(3 << 20)) == 3 << 20 else 1))
+        child.start()
+    child.join(20)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    assert child.exitcode == 0
+
+
 def test_staging_buckets(make_store, monkeypatch):
     """Casting destinations are gathered through reused host buckets (small here: many refills)."""
     monkeypatch.setattr(W, "BUCKET_BYTES", 1024)

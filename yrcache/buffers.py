@@ -55,8 +55,14 @@ class BufferPool:
                 self._free.setdefault(size, []).append(m)
                 self.pooled += size
 
+    def _forked(self) -> None:
+        """In a forked child: a lock another thread of the parent held at the fork would
+        never be released here."""
+        self._lock = threading.Lock()
+
 
 POOL = BufferPool(int(os.environ.get("YRCACHE_RECV_POOL") or 512 << 20))
+os.register_at_fork(after_in_child=POOL._forked)
 
 
 def alloc(n: int) -> Any:
