@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
+from cluster_util import TTL, ClusterHarness, Etcd, sigstop, wait_for  # noqa: E402
 
 from yrcache import Tier, TieredStore, WriteMode  # noqa: E402
 from yrcache._fast import OwnPuts  # noqa: E402
@@ -701,7 +701,7 @@ def test_sync_timeout_names_the_silent_owner_and_repair_copies_it_later(etcd, tm
         a, b = h.start(2)
         with h.client(replicas=2) as c:
             h.wait_members(c, 2)
-            b.proc.send_signal(signal.SIGSTOP)      # alive for etcd's lease a while, but silent:
+            sigstop(b.proc.pid)                     # alive for etcd's lease a while, but silent:
             # a new connection's handshake is never answered, so b never sees the frame
             try:
                 with pytest.raises(ClusterUnavailableError, match=b.member_id) as ei:
@@ -716,7 +716,7 @@ def test_sync_timeout_names_the_silent_owner_and_repair_copies_it_later(etcd, tm
             # now with pooled connections to both: the frame goes out, b's answer never comes
             # (the kernel's receive timeout on the client's blocking socket)
             c.put("k2", b"v")
-            b.proc.send_signal(signal.SIGSTOP)
+            sigstop(b.proc.pid)
             try:
                 t0 = time.monotonic()
                 with pytest.raises(ClusterUnavailableError, match=f"{b.member_id}.*did not answer within 0.5 s"):
