@@ -50,9 +50,13 @@ class BufferPool:
         return ffi.buffer(ptr, n)          # keeps ptr (and so the mapping) alive while referenced
 
     def _give(self, m: mmap.mmap, size: int) -> None:
+        # The list is made before the lock: an object allocated under it could start a
+        # garbage collection that frees another pooled buffer, whose destructor would
+        # then wait for this lock (appends and ints allocate nothing it tracks).
+        fresh: list[mmap.mmap] = []
         with self._lock:
             if self.pooled + size <= self.limit:
-                self._free.setdefault(size, []).append(m)
+                self._free.setdefault(size, fresh).append(m)
                 self.pooled += size
 
     def _forked(self) -> None:
