@@ -360,6 +360,36 @@ _WORKER = textwrap.dedent("""
 """)
 
 
+def test_a_process_that_finds_the_arena_still_being_created_waits_and_attaches(make_store, store_name,
+                                                                               monkeypatch):
+    """Of the processes of one node starting together, one creates the arena; another can
+    find the segment there but not yet initialised (attach raises StoreNotFoundError):
+    it looks again until the arena is ready, instead of dying. (The four-process test
+    below met it once in CI.)"""
+    from yrcache.cluster.joining import Joining
+    from yrcache.errors import StoreNotFoundError
+
+    creator = make_store(dram="16MiB")         # the segment exists: creating again raises FileExistsError
+    real_attach, calls = TieredStore.attach, []
+
+    def attach(name, **kw):
+        calls.append(name)
+        if len(calls) < 3:
+            raise StoreNotFoundError(f"{name} is not a usable yrcache store (being created, ...)")
+        return real_attach(name, **kw)
+    monkeypatch.setattr(TieredStore, "attach", staticmethod(attach))
+
+    class Starting(Joining):
+        name = store_name
+    j = Starting()
+    j._open_local(False, {"dram": "16MiB"})
+    assert j.role == "attached" and len(calls) == 3
+    assert j._local is not None
+    j._local["k"] = b"v"
+    assert bytes(creator["k"]) == b"v"
+    j._local.close()
+
+
 def test_four_processes_with_one_environment_form_one_member(harness, etcd):
     env = dict(harness.env, YRCACHE_NAME=f"{harness.cluster}-box")
     procs = [subprocess.Popen([sys.executable, "-c", _WORKER, str(i)], env=env, stdin=subprocess.PIPE,
@@ -367,6 +397,9 @@ def test_four_processes_with_one_environment_form_one_member(harness, etcd):
              for i in range(4)]
     try:
         first = [p.stdout.readline().split() for p in procs]
+        dead = [f"worker {i}: exit {p.wait(30)}: {p.stderr.read()[-3000:]}" for i, (p, f) in enumerate(zip(procs, first))
+                if not f]
+        assert not dead, "\n".join(dead)
         roles = sorted(r for r, _ in first)
         assert roles == ["attached", "attached", "attached", "member"], first
         assert len({m for _, m in first}) == 1

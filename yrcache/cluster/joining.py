@@ -56,13 +56,17 @@ class Joining:
                 self.role = "member"
                 return
             except FileExistsError:
-                self._local = TieredStore.attach(self.name, pickle=pickle)
-                self.role = "attached"
-                return
+                try:
+                    self._local = TieredStore.attach(self.name, pickle=pickle)
+                    self.role = "attached"
+                    return
+                except StoreNotFoundError:   # still being created (or just gone): look again
+                    if time.monotonic() > deadline:
+                        raise
             except StoreNotFoundError:       # another process of this machine is creating it
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.02)
+            time.sleep(0.02)
 
     def _forget_old_objects(self) -> None:
         """A member starts empty: objects left in an adopted arena (or SSD directory) from an
