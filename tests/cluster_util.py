@@ -38,25 +38,6 @@ def wait_for(pred: Callable[[], bool], timeout: float, what: str) -> float:
     return time.monotonic() - t0
 
 
-def sigstop(pid: int, timeout: float = 10.0) -> None:
-    """SIGSTOP process ``pid`` and wait until every one of its threads has stopped (the
-    signal is acted on asynchronously: a thread busy at the kill may still answer a frame)."""
-    os.kill(pid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
-    while True:
-        states = []
-        for t in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{t}/stat", "rb") as f:
-                    states.append(f.read().rpartition(b")")[2].split()[0])
-            except FileNotFoundError:          # a thread that just ended
-                continue
-        if all(s in (b"T", b"t") for s in states):
-            return
-        assert time.monotonic() < deadline, f"process {pid} did not stop (thread states {states})"
-        time.sleep(0.001)
-
-
 class Etcd:
     """One etcd server on free loopback ports; restartable on the same ports and data."""
 

@@ -8,6 +8,7 @@ with the child's traceback.  Module-level, so spawn children can import it.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import queue as queue_mod
 import subprocess
@@ -128,3 +129,24 @@ def fresh_python(script: str, timeout: float = 120.0) -> str:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, r.stderr
     return r.stdout
+
+
+def sigstop(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP process ``pid`` and wait until every one of its threads has stopped: the
+    signal is acted on asynchronously, and a thread still running may answer a frame or
+    take a lock meanwhile. (Read from /proc, not waitpid: multiprocessing reaps its own.)"""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{t}/stat", "rb") as f:
+                    states.append(f.read().rpartition(b")")[2].split()[0])
+            except FileNotFoundError:          # a thread that just ended
+                continue
+        if all(s in (b"T", b"t") for s in states):
+            return
+        assert not {b"Z", b"X"} & set(states), f"process {pid} died on its own"
+        assert time.monotonic() < deadline, f"process {pid} did not stop (thread states {states})"
+        time.sleep(0.001)

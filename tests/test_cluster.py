@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import TTL, ClusterHarness, Etcd, sigstop, wait_for  # noqa: E402
+from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
+from procs import sigstop  # noqa: E402
 
 from yrcache import Tier, TieredStore, WriteMode  # noqa: E402
 from yrcache._fast import OwnPuts  # noqa: E402

@@ -28,7 +28,7 @@ import pytest
 
 from yrcache import TieredStore
 from yrcache.tiers import dram
-from procs import finish, kill_and_join, seg_exists, start, wait_or_die  # noqa: E402
+from procs import finish, kill_and_join, seg_exists, sigstop, start, wait_or_die  # noqa: E402
 
 MAGIC = np.uint64(0x5EEDC0DE12345678)
 
@@ -111,20 +111,6 @@ def _mutex_addr(s: TieredStore) -> int:
     return base + found[-1]
 
 
-def _stop(p) -> None:
-    """SIGSTOP child ``p`` and wait until it has stopped.  (Read from /proc, not
-    waited for with waitpid: multiprocessing reaps the child itself.)"""
-    os.kill(p.pid, signal.SIGSTOP)
-    deadline = time.monotonic() + 10
-    while True:
-        with open(f"/proc/{p.pid}/stat", "rb") as f:
-            state = f.read().rpartition(b")")[2].split()[0]
-        if state in (b"T", b"t"):
-            return
-        assert state not in (b"Z", b"X"), f"child {p.pid} died on its own"
-        assert time.monotonic() < deadline, f"child {p.pid} did not stop (state {state!r})"
-
-
 def kill_child(p, lock_addr: int, rng: random.Random, find_lock: bool, budget: float = 3.0) -> bool:
     """SIGKILL child ``p``; True if it died holding the arena lock.
 
@@ -136,7 +122,7 @@ def kill_child(p, lock_addr: int, rng: random.Random, find_lock: bool, budget: f
     word = ctypes.c_int.from_address(lock_addr + 4 * MUTEX_LOCK_WORD)
     deadline = time.monotonic() + budget
     while True:
-        _stop(p)
+        sigstop(p.pid)
         held = word.value & FUTEX_TID_MASK == p.pid
         if held or not find_lock or time.monotonic() > deadline:
             break

@@ -52,21 +52,17 @@ class Joining:
         deadline = time.monotonic() + 30
         while True:
             try:
-                self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)
-                self.role = "member"
-                return
-            except FileExistsError:
                 try:
+                    self._local = TieredStore(self.name, pickle=pickle, cluster=False, **local)
+                    self.role = "member"
+                except FileExistsError:
                     self._local = TieredStore.attach(self.name, pickle=pickle)
                     self.role = "attached"
-                    return
-                except StoreNotFoundError:   # still being created (or just gone): look again
-                    if time.monotonic() > deadline:
-                        raise
-            except StoreNotFoundError:       # another process of this machine is creating it
-                if time.monotonic() > deadline:
+                return
+            except StoreNotFoundError:       # another process of this machine is creating it (or
+                if time.monotonic() > deadline:  # its segment is there, not yet ready): look again
                     raise
-            time.sleep(0.02)
+                time.sleep(0.02)
 
     def _forget_old_objects(self) -> None:
         """A member starts empty: objects left in an adopted arena (or SSD directory) from an
