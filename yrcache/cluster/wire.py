@@ -125,15 +125,39 @@ def pack(op: int, key: bytes = b"", meta: bytes = b"", plen: int = 0, *, flags: 
                     priority, expire_at, offset, length) + key + meta
 
 
+# A large payload is received with the socket's low-water mark raised, so the kernel wakes
+# the receiver once per LOWAT bytes instead of once per segment: on loopback, 1.8 -> 3+ GiB/s
+# and a third less CPU for sender and receiver together (see docs/benchmarks.md).  The kernel
+# tests its wake-up against the socket's mark, not against what a recv asked for, so the mark
+# must never exceed the bytes still to come: a recv waiting for its last bytes would sleep on.
+LOWAT = 512 << 10
+
+
+def _lowat(sock: socket.socket, n: int) -> bool:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+        return True
+    except OSError:         # closed under us: the recv reports it
+        return False
+
+
 def recv_exact(sock: socket.socket, buf: Any) -> None:
     """Fill the writable buffer ``buf`` from ``sock`` or raise ``ConnectionError``."""
     view = memoryview(buf).cast("B")
     got, n = 0, view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if not k:
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
-        got += k
+    raised = n >= 2 * LOWAT and _lowat(sock, LOWAT)
+    try:
+        while got < n:
+            if raised and n - got < LOWAT:
+                _lowat(sock, 1)
+                raised = False
+            k = sock.recv_into(view[got:], n - got)
+            if not k:
+                raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+            got += k
+    finally:
+        if raised:
+            _lowat(sock, 1)
 
 
 class Reader:
