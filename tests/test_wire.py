@@ -1,9 +1,13 @@
 """``wire.recv_exact`` and the socket's receive low-water mark.
 
 A large payload is received with SO_RCVLOWAT raised so the kernel wakes the receiver once
-per ``LOWAT`` bytes. The kernel tests that mark, not what a recv asked for, so the mark
-must come down before the last ``LOWAT`` bytes (a tail that arrives late would never wake
-the receiver) and go back to 1 afterwards (the frame reader's small recvs would stall).
+per ``LOWAT`` bytes. The kernel wakes a reader only when ``LOWAT`` unread bytes have come,
+whatever the recv still wants, so the mark must come down before the last bytes (or they
+would never wake the reader) and go back to 1 afterwards (the frame reader's small recvs
+would stall). Both kinds of socket the cluster reads run here: a client's, with a timeout
+(Python polls, then reads without blocking), and a member's, blocking (the thread sleeps
+inside recv, after taking what had come). A reader that would sleep for ever is rescued after
+5 s by shutting the socket down, and a test fails when that rescue was needed.
 """
 
 from __future__ import annotations
@@ -17,15 +21,48 @@ import pytest
 from yrcache.cluster import wire
 
 
-@pytest.fixture
-def pair():
-    """A connected loopback TCP pair: (receiver, sender), closed afterwards."""
-    with socket.create_server(("127.0.0.1", 0)) as lsock:
+class Spy(socket.socket):
+    """A socket that notes the mark at each ``recv_into`` and may act before it."""
+
+    def __init__(self, sock: socket.socket, before=None) -> None:
+        timeout = sock.gettimeout()
+        super().__init__(fileno=sock.detach())
+        self.settimeout(timeout)
+        self.marks: list[int] = []
+        self.before = before
+        self.rescued = threading.Event()
+
+    def rescue(self) -> None:
+        self.rescued.set()
+        self.shutdown(socket.SHUT_RDWR)
+
+    def recv_into(self, *args):
+        self.marks.append(_lowat(self))
+        if self.before:
+            self.before(len(self.marks))
+        return super().recv_into(*args)
+
+
+@pytest.fixture(params=["timeout", "blocking"])
+def pair(request):
+    """A connected loopback TCP pair: (receiver, sender), the receiver a ``Spy``.
+
+    The receiver's buffer is 4 MiB, fixed, so a sender can queue a megabyte before it reads.
+    """
+    with socket.socket() as lsock:
+        lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen()
         tx = socket.create_connection(lsock.getsockname())
         rx, _ = lsock.accept()
-    rx.settimeout(5)
-    yield rx, tx
-    rx.close()
+    rx.settimeout(5 if request.param == "timeout" else None)
+    spy = Spy(rx)
+    watchdog = threading.Timer(5, spy.rescue)
+    watchdog.start()
+    yield spy, tx
+    watchdog.cancel()
+    assert not spy.rescued.is_set(), "a recv slept until the watchdog shut the socket down"
+    spy.close()
     tx.close()
 
 
@@ -33,9 +70,13 @@ def _lowat(sock: socket.socket) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT)
 
 
+def _payload(n: int) -> bytes:
+    return bytes(range(256)) * (n // 256)
+
+
 def test_a_tail_that_arrives_late_still_wakes_the_receiver(pair):
     rx, tx = pair
-    head, tail = bytes(range(256)) * (2 * wire.LOWAT // 256), b"tail" * 25
+    head, tail = _payload(2 * wire.LOWAT), b"tail" * 25
     marks = []
 
     def send():
@@ -48,7 +89,7 @@ def test_a_tail_that_arrives_late_still_wakes_the_receiver(pair):
     t.start()
     buf = bytearray(len(head) + len(tail))
     try:
-        wire.recv_exact(rx, buf)            # socket.timeout here: the mark stayed above the tail
+        wire.recv_exact(rx, buf)            # timeout or "peer closed": the mark stayed above the tail
     finally:
         t.join()
     assert buf == head + tail
@@ -56,30 +97,46 @@ def test_a_tail_that_arrives_late_still_wakes_the_receiver(pair):
     assert _lowat(rx) == 1
 
 
-def test_the_mark_is_raised_for_a_large_payload_only_and_always_put_back(pair, monkeypatch):
+def test_a_recv_that_took_part_of_the_rest_and_sleeps_for_the_others_is_woken(pair):
+    # 1.25 MiB: the first recv takes 700 KiB; the second finds 100 KiB, and a blocking one
+    # takes them and sleeps for the last 480 KiB, fewer than the mark: with the mark still up
+    # nothing would wake it (a polling one waits for all 580 KiB and is woken either way).
     rx, tx = pair
-    seen = []
-    recv_into = socket.socket.recv_into
+    payload = _payload(2 * wire.LOWAT + (256 << 10))
+    first, second = 700 << 10, 100 << 10
+    timers = []
 
-    class Spy(socket.socket):
-        def recv_into(self, *args):
-            seen.append(_lowat(self))
-            return recv_into(self, *args)
+    def before(call: int) -> None:
+        if call == 2:
+            tx.sendall(payload[first:first + second])
+            time.sleep(0.1)
+            timers.append(threading.Timer(0.3, tx.sendall, (payload[first + second:],)))
+            timers[-1].start()
 
-    spy = Spy(fileno=rx.detach())
-    spy.settimeout(5)
+    tx.sendall(payload[:first])
+    time.sleep(0.1)
+    rx.before = before
+    buf = bytearray(len(payload))
     try:
-        tx.sendall(b"x" * 100)
-        wire.recv_exact(spy, bytearray(100))
-        assert seen == [1]                  # a small payload leaves the mark alone
-        seen.clear()
-        tx.sendall(b"y" * (4 * wire.LOWAT))
-        wire.recv_exact(spy, bytearray(4 * wire.LOWAT))
-        assert seen[0] == wire.LOWAT and _lowat(spy) == 1
-        tx.sendall(b"z" * wire.LOWAT)
-        tx.close()                          # the peer goes away mid-payload
-        with pytest.raises(ConnectionError, match=f"after {wire.LOWAT} of"):
-            wire.recv_exact(spy, bytearray(3 * wire.LOWAT))
-        assert _lowat(spy) == 1
+        wire.recv_exact(rx, buf)
     finally:
-        spy.close()
+        for t in timers:
+            t.join()
+    assert buf == payload
+    assert rx.marks[0] == wire.LOWAT and rx.marks[1:] == [1] * (len(rx.marks) - 1)
+
+
+def test_the_mark_is_raised_for_a_large_payload_only_and_always_put_back(pair):
+    rx, tx = pair
+    tx.sendall(b"x" * 100)
+    wire.recv_exact(rx, bytearray(100))
+    assert rx.marks == [1]                  # a small payload leaves the mark alone
+    rx.marks.clear()
+    tx.sendall(b"y" * (4 * wire.LOWAT))
+    wire.recv_exact(rx, bytearray(4 * wire.LOWAT))
+    assert rx.marks[0] == wire.LOWAT and _lowat(rx) == 1
+    tx.sendall(b"z" * wire.LOWAT)
+    tx.close()                              # the peer goes away mid-payload
+    with pytest.raises(ConnectionError, match=f"after {wire.LOWAT} of"):
+        wire.recv_exact(rx, bytearray(3 * wire.LOWAT))
+    assert _lowat(rx) == 1

@@ -128,8 +128,10 @@ def pack(op: int, key: bytes = b"", meta: bytes = b"", plen: int = 0, *, flags: 
 # A large payload is received with the socket's low-water mark raised, so the kernel wakes
 # the receiver once per LOWAT bytes instead of once per segment: on loopback, 1.8 -> 3+ GiB/s
 # and a third less CPU for sender and receiver together (see docs/benchmarks.md).  The kernel
-# tests its wake-up against the socket's mark, not against what a recv asked for, so the mark
-# must never exceed the bytes still to come: a recv waiting for its last bytes would sleep on.
+# tests its wake-up against the socket's mark and the bytes not yet read, not against what a
+# recv still wants: a recv that took c < LOWAT bytes and sleeps for the rest wakes only when
+# LOWAT more have come.  So the mark stays up only while a recv starts with at least 2 * LOWAT
+# bytes to come (then more than LOWAT follow whatever it took), or the last bytes never wake it.
 LOWAT = 512 << 10
 
 
@@ -148,7 +150,7 @@ def recv_exact(sock: socket.socket, buf: Any) -> None:
     raised = n >= 2 * LOWAT and _lowat(sock, LOWAT)
     try:
         while got < n:
-            if raised and n - got < LOWAT:
+            if raised and n - got < 2 * LOWAT:
                 _lowat(sock, 1)
                 raised = False
             k = sock.recv_into(view[got:], n - got)
