@@ -29,6 +29,7 @@ class Spy(socket.socket):
         super().__init__(fileno=sock.detach())
         self.settimeout(timeout)
         self.marks: list[int] = []
+        self.wanted: list[int] = []         # what each recv_into asked for
         self.before = before
         self.rescued = threading.Event()
 
@@ -36,11 +37,17 @@ class Spy(socket.socket):
         self.rescued.set()
         self.shutdown(socket.SHUT_RDWR)
 
-    def recv_into(self, *args):
+    def recv_into(self, buf, nbytes=0, *args):
         self.marks.append(_lowat(self))
+        self.wanted.append(nbytes)
         if self.before:
             self.before(len(self.marks))
-        return super().recv_into(*args)
+        return super().recv_into(buf, nbytes, *args)
+
+    def check_marks(self) -> None:
+        """The mark was up exactly while a recv started with 2 x LOWAT bytes still to come."""
+        assert self.marks[0] == wire.LOWAT
+        assert self.marks[1:] == [wire.LOWAT if want >= 2 * wire.LOWAT else 1 for want in self.wanted[1:]]
 
 
 @pytest.fixture(params=["timeout", "blocking"])
@@ -100,7 +107,7 @@ def test_a_tail_that_arrives_late_still_wakes_the_receiver(pair):
 def test_a_recv_that_took_part_of_the_rest_and_sleeps_for_the_others_is_woken(pair):
     # 1.25 MiB: the first recv takes 700 KiB; the second finds 100 KiB, and a blocking one
     # takes them and sleeps for the last 480 KiB, fewer than the mark: with the mark still up
-    # nothing would wake it (a polling one waits for all 580 KiB and is woken either way).
+    # nothing would wake it (a polling one would take all 580 KiB once 512 KiB were there).
     rx, tx = pair
     payload = _payload(2 * wire.LOWAT + (256 << 10))
     first, second = 700 << 10, 100 << 10
@@ -123,7 +130,7 @@ def test_a_recv_that_took_part_of_the_rest_and_sleeps_for_the_others_is_woken(pa
         for t in timers:
             t.join()
     assert buf == payload
-    assert rx.marks[0] == wire.LOWAT and rx.marks[1:] == [1] * (len(rx.marks) - 1)
+    rx.check_marks()
 
 
 def test_the_mark_is_raised_for_a_large_payload_only_and_always_put_back(pair):
@@ -132,9 +139,11 @@ def test_the_mark_is_raised_for_a_large_payload_only_and_always_put_back(pair):
     wire.recv_exact(rx, bytearray(100))
     assert rx.marks == [1]                  # a small payload leaves the mark alone
     rx.marks.clear()
+    rx.wanted.clear()
     tx.sendall(b"y" * (4 * wire.LOWAT))
     wire.recv_exact(rx, bytearray(4 * wire.LOWAT))
-    assert rx.marks[0] == wire.LOWAT and _lowat(rx) == 1
+    rx.check_marks()
+    assert _lowat(rx) == 1
     tx.sendall(b"z" * wire.LOWAT)
     tx.close()                              # the peer goes away mid-payload
     with pytest.raises(ConnectionError, match=f"after {wire.LOWAT} of"):

@@ -126,8 +126,9 @@ def pack(op: int, key: bytes = b"", meta: bytes = b"", plen: int = 0, *, flags: 
 
 
 # A large payload is received with the socket's low-water mark raised, so the kernel wakes
-# the receiver once per LOWAT bytes instead of once per segment: on loopback, 1.8 -> 3+ GiB/s
-# and a third less CPU for sender and receiver together (see docs/benchmarks.md).  The kernel
+# the receiver once per LOWAT bytes instead of once per segment, which also spares the sender
+# work (docs/benchmarks.md: a 64 MiB get went from 0.9-1.0x to 1.2-1.3x of a plain recv_into
+# loop in bench_cluster.py, and the CPU of a cross-node weight sync fell 6%).  The kernel
 # tests its wake-up against the socket's mark and the bytes not yet read, not against what a
 # recv still wants: a recv that took c < LOWAT bytes and sleeps for the rest wakes only when
 # LOWAT more have come.  So the mark stays up only while a recv starts with at least 2 * LOWAT
