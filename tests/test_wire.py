@@ -4,15 +4,18 @@ A large payload is received with SO_RCVLOWAT raised so the kernel wakes the rece
 per ``LOWAT`` bytes. The kernel wakes a reader only when ``LOWAT`` unread bytes have come,
 whatever the recv still wants, so the mark must come down before the last bytes (or they
 would never wake the reader) and go back to 1 afterwards (the frame reader's small recvs
-would stall). Both kinds of socket the cluster reads run here: a client's, with a timeout
-(Python polls, then reads without blocking), and a member's, blocking (the thread sleeps
-inside recv, after taking what had come). A reader that would sleep for ever is rescued after
-5 s by shutting the socket down, and a test fails when that rescue was needed.
+would stall). Three kinds of socket run here: a member's handler's, blocking (the thread
+sleeps inside recv, after taking what had come); a pooled client connection's, blocking with
+the timeout in the kernel (``SO_RCVTIMEO``, as ``peer.Conn`` sets it: 8 s here); and one with
+a Python timeout (Python polls, then reads without blocking). A reader that would sleep for
+ever is rescued after 5 s by shutting the socket down, and a test fails when that rescue was
+needed.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -50,7 +53,7 @@ class Spy(socket.socket):
         assert self.marks[1:] == [wire.LOWAT if want >= 2 * wire.LOWAT else 1 for want in self.wanted[1:]]
 
 
-@pytest.fixture(params=["timeout", "blocking"])
+@pytest.fixture(params=["blocking", "kernel timeout", "python timeout"])
 def pair(request):
     """A connected loopback TCP pair: (receiver, sender), the receiver a ``Spy``.
 
@@ -62,7 +65,9 @@ def pair(request):
         lsock.listen()
         tx = socket.create_connection(lsock.getsockname())
         rx, _ = lsock.accept()
-    rx.settimeout(5 if request.param == "timeout" else None)
+    rx.settimeout(5 if request.param == "python timeout" else None)
+    if request.param == "kernel timeout":
+        rx.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 8, 0))
     spy = Spy(rx)
     watchdog = threading.Timer(5, spy.rescue)
     watchdog.start()
