@@ -132,6 +132,12 @@ def refused(what: str, e: Exception) -> int:
     return ERROR
 
 
+#: Connections that have not proved the token yet, at once (each holds a thread for up to
+#: HANDSHAKE_S): more wait in the listen queue, so a flood of them cannot exhaust threads.
+MAX_HANDSHAKES = 64
+HANDSHAKE_S = 10.0
+
+
 class Server:
     """A thread-per-connection TCP server for one member's :class:`Handler`."""
 
@@ -152,8 +158,10 @@ class Server:
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)     # a handshake ended
         self._closed = False
-        self.errors = 0                   # connections closed for bad frames or auth
+        self._handshakes = 0              # connections that have not proved the token yet
+        self.errors = 0                   # connections closed for bad frames or auth, or no thread
         self._thread = threading.Thread(target=self._accept_loop, name="yrcache-accept", daemon=True)
         self._thread.start()
 
@@ -162,7 +170,9 @@ class Server:
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def close(self) -> None:
-        self._closed = True
+        with self._room:
+            self._closed = True
+            self._room.notify_all()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -179,18 +189,36 @@ class Server:
 
     def _accept_loop(self) -> None:
         while not self._closed:
+            with self._room:
+                while self._handshakes >= MAX_HANDSHAKES and not self._closed:
+                    self._room.wait(1.0)
             try:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
+                self._handshakes += 1
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="yrcache-conn", daemon=True).start()
+            try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                threading.Thread(target=self._serve, args=(conn,), name="yrcache-conn", daemon=True).start()
+            except (RuntimeError, OSError) as e:    # no thread to spare, or the peer left: keep accepting
+                self.errors += 1
+                log.warning("closing a data connection: %s", e)
+                self._handshake_over(conn)
+                conn.close()
+
+    def _handshake_over(self, conn: socket.socket | None = None) -> None:
+        with self._room:
+            self._handshakes -= 1
+            if conn is not None:
+                self._conns.discard(conn)
+            self._room.notify()
 
     def _serve(self, conn: socket.socket) -> None:
+        shaking = True
         try:
-            conn.settimeout(10.0)
+            conn.settimeout(HANDSHAKE_S)
             nonce = os.urandom(NONCE)
             conn.sendall(MAGIC + bytes([PROTO]) + nonce)
             answer = bytearray(NONCE)
@@ -201,6 +229,8 @@ class Server:
                 return
             conn.sendall(b"\x00")
             conn.settimeout(None)
+            self._handshake_over()
+            shaking = False
             rd = Reader(conn)
             out: list[Any] = []          # replies corked while more requests are buffered
             serve = self.handler.serve
@@ -229,8 +259,11 @@ class Server:
         except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            if shaking:
+                self._handshake_over(conn)
+            else:
+                with self._lock:
+                    self._conns.discard(conn)
             conn.close()
 
     def _one(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
