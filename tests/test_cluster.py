@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import struct
 import subprocess
@@ -641,6 +642,31 @@ def test_etcd_restart_mid_run_drops_no_member(harness, etcd):
         assert bytes(c["during"]) == b"written while etcd is down"
         st = c.stats()
         assert st["etcd"]["etcd"] == "ok" and len(st["members"]) == 4
+
+
+def test_an_unreachable_owner_is_retried_quietly_and_a_second_sigterm_ends_the_handover(etcd, tmp_path):
+    # etcd dies first, so the members keep B in their member set after B's death: A's
+    # forwarder can reach no one for the objects it owes B, and A's handover cannot finish.
+    with ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2", YRCACHE_WRITE_MODE="async") as h:
+        a, b = h.start(2)
+        with h.client() as c:
+            h.wait_members(c, 2)
+            keys = [k for k in (f"owed{i}" for i in range(200)) if c.owners(k)[0] == a.member_id][:30]
+            etcd.kill()
+            b.sigkill()
+            for i, k in enumerate(keys):
+                c.put(k, value(i), write_mode="async")     # A takes it and owes B a copy
+            time.sleep(3)                   # dozens of retries at the old fixed 50 ms
+            a.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.5)
+            assert a.proc.poll() is None    # handing over: waiting for B
+            a.proc.send_signal(signal.SIGTERM)
+            assert a.proc.wait(timeout=15) == 0
+        log = a.log.read_text()
+        failures = [ln for ln in log.splitlines() if "forwarding" in ln and b.member_id in ln]
+        assert 1 <= len(failures) <= 2, failures      # logged once per 30 s, not per retry
+        assert "again to leave now" in log
+        assert "not handed over (asked to leave now)" in log
 
 
 def test_none_mode_keeps_one_copy_through_a_join(etcd, tmp_path):

@@ -272,6 +272,11 @@ class _Worker:
         self._thread.join(timeout=5)
 
 
+RETRY_MIN_S = 0.05        # a target that failed is tried again after this, doubling ...
+RETRY_MAX_S = 1.0         # ... up to this
+RETRY_LOG_S = 30.0        # and its failures are logged at most this often
+
+
 class Forwarder(_Worker):
     """Ships local objects to the owners that lack them, one thread, bounded queue."""
 
@@ -283,6 +288,11 @@ class Forwarder(_Worker):
         self.sent = 0
         self.sent_bytes = 0
         self._burst = [0, 0, 0.0]          # objects, bytes and start of the current backlog (for the log)
+        # A target that failed: [next try, pause, when last logged].  It is
+        # tried again after a pause that doubles up to RETRY_MAX_S, and logged at most every
+        # RETRY_LOG_S: a member that cannot be reached (dead while etcd is down, so it stays in
+        # the member set) costs neither a connection attempt nor a log line every 50 ms.
+        self._failing: dict[str, list[float]] = {}
         # Asleep until woken (nothing queued for IDLE_S); else it looks every LINGER_S by itself.
         self._asleep = False
         self._thread.start()
@@ -308,12 +318,13 @@ class Forwarder(_Worker):
         with self._cv:
             return len(self._q) + self._busy
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float, give_up: threading.Event | None = None) -> bool:
+        """Until nothing is queued or being sent (True), ``timeout`` passes or ``give_up`` is set."""
         end = time.monotonic() + timeout
         with self._cv:
             while self._q or self._busy:
                 left = end - time.monotonic()
-                if left <= 0:
+                if left <= 0 or (give_up is not None and give_up.is_set()):
                     return False
                 self._cv.wait(min(left, 0.1))
         return True
@@ -389,6 +400,10 @@ class Forwarder(_Worker):
         stale: set[str] = set()
         for (m, flags), items in per_target.items():
             peer = router.peer(m)
+            fail = self._failing.get(m)
+            if fail is not None and time.monotonic() < fail[0]:
+                failed.update(it[0] for it in items)
+                continue
             try:
                 if peer is None:
                     raise ClusterUnavailableError(f"member {m} left")
@@ -403,10 +418,21 @@ class Forwarder(_Worker):
                     self._burst[2] = t0
                 self._burst[0] += len(items)
                 self._burst[1] += nbytes
+                if fail is not None:
+                    del self._failing[m]
+                    log.info("forwarding to %s works again", m)
                 if moves:                       # rebalancing yields to the application's traffic
                     time.sleep(max(0.0, nbytes / REBALANCE_RATE - (time.monotonic() - t0)))
             except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
-                log.info("forwarding %d objects to %s: %s (will retry)", len(items), m, e)
+                now = time.monotonic()
+                if fail is None:
+                    fail = self._failing[m] = [0.0, RETRY_MIN_S / 2, -RETRY_LOG_S]
+                fail[1] = min(RETRY_MAX_S, fail[1] * 2)
+                fail[0] = now + fail[1]
+                if now - fail[2] >= RETRY_LOG_S:
+                    fail[2] = now
+                    log.info("forwarding %d objects to %s: %s (trying again, at most every %.1f s; "
+                             "logged every %.0f s)", len(items), m, e, RETRY_MAX_S, RETRY_LOG_S)
                 failed.update(it[0] for it in items)
         del per_target
         retry = []

@@ -2,8 +2,9 @@
 
 Prints ``yrcache node <id> listening on HOST:PORT`` first, then logs joins,
 leaves and rebalancing. SIGTERM (or Ctrl-C) hands this member's objects over to
-their other owners before it exits; SIGKILL is a node death, which the others
-repair by re-replicating.
+their other owners before it exits (up to 120 s; a second SIGTERM or Ctrl-C
+leaves at once); SIGKILL is a node death, which the others repair by
+re-replicating.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from ..store import TieredStore
     from .store import ClusterStore
 
-    stop = threading.Event()
+    stop, leave_now = threading.Event(), threading.Event()
     got: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
         got.append(signum)
+        if stop.is_set():          # a second one: stop handing over, leave
+            leave_now.set()
         stop.set()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
@@ -65,6 +68,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
     finally:
         t0 = time.monotonic()
-        store.close(handover=True)
+        store.close(handover=True, give_up=leave_now)
         logging.getLogger("yrcache.cluster").info("left the cluster in %.1f s", time.monotonic() - t0)
     return 0 if got and got[0] == signal.SIGTERM else 130

@@ -489,16 +489,18 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         self._shared = {}
         self._lock = threading.Lock()
 
-    def close(self, handover: bool = False) -> None:
+    def close(self, handover: bool = False, give_up: threading.Event | None = None) -> None:
         """Leave the cluster and release this handle. ``handover=True`` (a member only)
-        first moves this node's objects to their other owners (``yrcache node`` on SIGTERM)."""
+        first moves this node's objects to their other owners (``yrcache node`` on SIGTERM),
+        waiting up to 120 s for them, or until ``give_up`` is set (``yrcache node`` sets it
+        on a second SIGTERM or Ctrl-C)."""
         if self._closed:
             return
         self._closed = True
         self._own = None
         _LIVE.pop(id(self), None)
         if handover and self._node is not None and self._membership is not None:
-            self._handover()
+            self._handover(give_up)
         for part in (self._mirror, self._membership, self._server):
             if part is not None:
                 try:
@@ -511,7 +513,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         if self._local is not None:
             self._local.close()
 
-    def _handover(self) -> None:
+    def _handover(self, give_up: threading.Event | None) -> None:
         """Leave the ring, then ship every object to its owners without us."""
         assert self._node is not None and self._membership is not None
         router, me = self._router, self._node.member_id
@@ -519,10 +521,15 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         if not router.members:
             return
         n = len(self._node.versions)
-        log.info("handing %d objects over before leaving", n)
+        log.info("handing %d objects over before leaving (up to 120 s%s)", n,
+                 "; SIGTERM or Ctrl-C again to leave now" if give_up is not None else "")
         self._node.rebalancer.run_pass()
-        self._node.forwarder.wait(120.0)
-        log.info("handed over; %d objects left here", len(self._node.versions))
+        if self._node.forwarder.wait(120.0, give_up):
+            log.info("handed over; %d objects left here", len(self._node.versions))
+        else:
+            log.warning("leaving with %d objects not handed over (%s); those with no copy on another "
+                        "member are lost", self._node.forwarder.pending(),
+                        "asked to leave now" if give_up is not None and give_up.is_set() else "120 s passed")
 
     def destroy(self) -> None:
         local = self._local
