@@ -288,10 +288,10 @@ class Forwarder(_Worker):
         self.sent = 0
         self.sent_bytes = 0
         self._burst = [0, 0, 0.0]          # objects, bytes and start of the current backlog (for the log)
-        # A target that failed: [next try, pause, when last logged].  It is
-        # tried again after a pause that doubles up to RETRY_MAX_S, and logged at most every
-        # RETRY_LOG_S: a member that cannot be reached (dead while etcd is down, so it stays in
-        # the member set) costs neither a connection attempt nor a log line every 50 ms.
+        # A target that failed: [next try, pause, when last logged].  It is tried again after a
+        # pause that doubles up to RETRY_MAX_S and logged at most every RETRY_LOG_S, so a member
+        # that cannot be reached (dead while etcd is down, so still in the member set) costs
+        # neither a connection attempt nor a log line every 50 ms.
         self._failing: dict[str, list[float]] = {}
         # Asleep until woken (nothing queued for IDLE_S); else it looks every LINGER_S by itself.
         self._asleep = False
