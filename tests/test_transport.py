@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
 import pytest
+from cluster_util import wait_for
 
 from yrcache.cluster import transport as tp
 
@@ -81,7 +81,5 @@ def test_a_thread_that_cannot_start_costs_one_connection_not_the_server(server, 
     silent = [_silent(server) for _ in range(3)]   # the lost connection gave its slot back
     for s in silent:
         s.close()
-    deadline = time.monotonic() + 5
-    while server._handshakes and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: not server._handshakes, 5, "the silent connections' handshakes to end")
     _ping(server)

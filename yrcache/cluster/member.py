@@ -426,8 +426,9 @@ class Forwarder(_Worker):
             except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
                 now = time.monotonic()
                 if fail is None:
-                    fail = self._failing[m] = [0.0, RETRY_MIN_S / 2, -RETRY_LOG_S]
-                fail[1] = min(RETRY_MAX_S, fail[1] * 2)
+                    fail = self._failing[m] = [0.0, RETRY_MIN_S, -RETRY_LOG_S]
+                else:
+                    fail[1] = min(RETRY_MAX_S, fail[1] * 2)
                 fail[0] = now + fail[1]
                 if now - fail[2] >= RETRY_LOG_S:
                     fail[2] = now

@@ -205,15 +205,18 @@ class Server:
             except (RuntimeError, OSError) as e:    # no thread to spare, or the peer left: keep accepting
                 self.errors += 1
                 log.warning("closing a data connection: %s", e)
-                self._handshake_over(conn)
-                conn.close()
+                self._handshake_over()
+                self._forget(conn)
 
-    def _handshake_over(self, conn: socket.socket | None = None) -> None:
+    def _handshake_over(self) -> None:
         with self._room:
             self._handshakes -= 1
-            if conn is not None:
-                self._conns.discard(conn)
             self._room.notify()
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+        conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         shaking = True
@@ -260,11 +263,8 @@ class Server:
             pass
         finally:
             if shaking:
-                self._handshake_over(conn)
-            else:
-                with self._lock:
-                    self._conns.discard(conn)
-            conn.close()
+                self._handshake_over()
+            self._forget(conn)
 
     def _one(self, conn: socket.socket, rd: Reader, f: Frame, out: list[Any]) -> None:
         h = self.handler
