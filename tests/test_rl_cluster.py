@@ -42,30 +42,37 @@ def trainer_state(rank: int, world: int, version: int) -> dict:
     return state
 
 
-def rollout_layout(g: int, count: int) -> dict:
-    return {"a": Shard(1, g, count), "b": Shard(1, g, count), "bias": Shard(0, g, count)}
+def _g(g: int | dict, name: str) -> int:
+    """A process's slice index, or its index per tensor (processes sharing some slices)."""
+    return g[name] if isinstance(g, dict) else g
 
 
-def expected_slice(name: str, version: int, g: int, count: int) -> np.ndarray:
-    return np.array_split(reference(name, version), count, axis=0 if name == "bias" else 1)[g]
+def rollout_layout(g: int | dict, count: int) -> dict:
+    return {"a": Shard(1, _g(g, "a"), count), "b": Shard(1, _g(g, "b"), count),
+            "bias": Shard(0, _g(g, "bias"), count)}
 
 
-def remote_bytes(store, sub, version: int, g: int, count: int, world: int) -> int:
-    """Bytes of this slice that sit in parts the ring placed on other nodes."""
+def expected_slice(name: str, version: int, g: int | dict, count: int) -> np.ndarray:
+    return np.array_split(reference(name, version), count, axis=0 if name == "bias" else 1)[_g(g, name)]
+
+
+def remote_bytes(store, sub, version: int, g: int | dict, count: int, world: int, names=SHAPES) -> int:
+    """Bytes of this slice (of ``names``) that sit in parts the ring placed on other nodes."""
     marker = sub.board.completion(version)
     me = store.member_id
     total = 0
-    for name in SHAPES:
+    for name in names:
+        gi = _g(g, name)
         ranks = range(world) if name in SPLIT else [0]
         for r in ranks:
             key = sub.board.part_key(version, r, marker["nonces"][r], name)
             if store.owners(key)[0] == me:
                 continue
             if name == "bias":
-                total += len(np.array_split(np.arange(30), count)[g]) * 4
+                total += len(np.array_split(np.arange(30), count)[gi]) * 4
             else:
                 rows = np.array_split(np.arange(SHAPES[name][0]), world)[r].size
-                cols = np.array_split(np.arange(SHAPES[name][1]), count)[g].size
+                cols = np.array_split(np.arange(SHAPES[name][1]), count)[gi].size
                 total += rows * cols * 4
     return total
 
@@ -104,14 +111,15 @@ def rollout(url, node, g, count, world, versions, barrier, out, start=None):
                 for name in SHAPES:
                     np.testing.assert_array_equal(res[name], expected_slice(name, v, g, count), err_msg=name)
                 st = dict(sub.last_fetch_stats, received=recv,
-                          remote=remote_bytes(s, sub, v, g, count, world))
-                out.put(("rollout", g, node, v, st))
+                          remote=remote_bytes(s, sub, v, g, count, world),
+                          remote_shared=remote_bytes(s, sub, v, g, count, world, names=("a", "bias")))
+                out.put(("rollout", str(g), node, v, st))
                 prev = v
                 if barrier is not None:
                     barrier.wait(60)
-        out.put(("rollout", g, "ok"))
+        out.put(("rollout", str(g), "ok"))
     except BaseException:
-        out.put(("rollout", g, traceback.format_exc()))
+        out.put(("rollout", str(g), traceback.format_exc()))
 
 
 def collect(out, procs, timeout=120):
@@ -297,6 +305,37 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
         res = sub.fetch(2, layout=rollout_layout(1, 2))
         for name in SHAPES:
             np.testing.assert_array_equal(res[name], expected_slice(name, 2, 1, 2))
+
+
+def test_processes_with_different_slices_pull_the_parts_they_share_once(harness):
+    """Two processes of a node, fetching at once: the same slices of "a" and "bias",
+    different slices of "b". The spans they share cross the network once."""
+    nodes = harness.start(4)
+    url = url_of(harness)
+    out, start, one = SPAWN.Queue(), SPAWN.Barrier(2), SPAWN.Barrier(1)
+    pub = SPAWN.Process(target=trainer, args=(url, nodes[0].name, 0, 1, [1], one, out))
+    pub.start()
+    assert collect(out, [pub]) == [("trainer", 0, "ok")]
+    with harness.client(replicas=1) as c:      # 3 parts on 4 members: one of them holds none
+        harness.wait_members(c, 4)
+        board = WeightSubscriber(c, "policy").board
+        nonce = board.completion(1)["nonces"][0]
+        owning = {c.owners(board.part_key(1, 0, nonce, name))[0] for name in SHAPES}
+    r0 = next(n for n in nodes if n.member_id not in owning)
+    gs = [{"a": 1, "b": 0, "bias": 1}, {"a": 1, "b": 2, "bias": 1}]
+    procs = [SPAWN.Process(target=rollout, args=(url, r0.name, g, 3, 1, [1], None, out, start)) for g in gs]
+    for p in procs:
+        p.start()
+    sts = [m[-1] for m in collect(out, procs) if len(m) == 5]
+    assert len(sts) == 2
+    shared = sts[0]["remote_shared"]
+    assert shared == sts[1]["remote_shared"] and sts[0]["remote"] > shared > 0, sts
+    union = sts[0]["remote"] + sts[1]["remote"] - shared
+    assert sum(s["bytes_network"] for s in sts) == union                  # shared spans: once
+    assert sum(s["bytes_node_cache"] for s in sts) == shared              # the other's, read in place
+    assert sum(s["received"] for s in sts) <= union + 2 * 8192
+    for s in sts:
+        assert s["bytes_network"] + s["bytes_node_cache"] + s["bytes_local"] == s["bytes_needed"]
 
 
 # ---- ranged reads (the data plane under the fetch) -----------------------------------------

@@ -118,3 +118,68 @@ def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store,
     with s.node_lock("part-8"):
         pass
     assert time.monotonic() - t < 5
+
+
+def _hold_locks(name, keys, hold):
+    s = TieredStore.attach(name)
+    with s.node_locks(keys):
+        s.word("locked").cas(0, 1)
+        s.word("locked").wake()
+        time.sleep(hold)
+    s.close()
+    return "released"
+
+
+def _churn_locks(name, seed, rounds):
+    """Take random overlapping sets of node locks, each in a random order, from 3 threads."""
+    import random
+    import threading
+
+    s = TieredStore.attach(name)
+    pool = [f"shared-{i}" for i in range(24)]
+    errors = []
+
+    def one(t):
+        rng = random.Random(seed * 10 + t)
+        try:
+            for _ in range(rounds):
+                keys = rng.sample(pool, rng.randint(1, 12))
+                with s.node_locks(keys):
+                    w = s.word("inside")
+                    w.cas(w.value, w.value + 1)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+    threads = [threading.Thread(target=one, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    s.close()
+    return errors or "done"
+
+
+def test_node_locks_hold_a_set_and_overlapping_sets_never_deadlock(make_store, store_name, mp_context):
+    from procs import get_report
+
+    s = make_store()
+    w = s.word("locked")
+    seen = w.seq
+    p, q = start(mp_context, _hold_locks, store_name, ["a-1", "a-2", "a-3"], 0.8)
+    while w.value != 1:
+        assert w.wait(seen, 30)
+        seen = w.seq
+    t = time.monotonic()
+    with s.node_locks(["zz", "a-3"]):              # one key in common: waits for the child
+        waited = time.monotonic() - t
+    assert waited > 0.3, waited
+    with s.node_lock("a-2"):                        # the child let go of all of them
+        pass
+    assert get_report(p, q) == "released"
+    p.join(10)
+    with s.node_locks([]):                          # nothing to hold
+        pass
+    # two processes x 3 threads, random overlapping sets taken in random orders: the locks
+    # are always taken in one global order, so nobody waits for anybody in a circle
+    kids = [start(mp_context, _churn_locks, store_name, seed, 150) for seed in (1, 2)]
+    for p, q in kids:
+        assert finish(p, q, timeout=120) == "done"

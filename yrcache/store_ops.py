@@ -128,10 +128,16 @@ class StoreOps:
 
     def node_lock(self, key: str) -> AbstractContextManager[None]:
         """A lock shared by every process of this machine using this store: ``with
-        s.node_lock(k):`` holds one of 4096 locks, chosen by a hash of ``k`` (unrelated
-        keys may share one). It is let go when the block ends or the holder dies (an
+        s.node_lock(k):`` holds one of 2**20 locks, chosen by a hash of ``k`` (unrelated
+        keys rarely share one). It is let go when the block ends or the holder dies (an
         OFD lock on the store's segment). Not reentrant."""
-        return _node_lock(self.name, key)
+        return _node_locks(self.name, (key,))
+
+    def node_locks(self, keys: Iterable[str]) -> AbstractContextManager[None]:
+        """``node_lock`` of several keys at once: ``with s.node_locks(ks):`` holds all of
+        them. Their locks are taken in one global order, so holders of overlapping sets
+        never deadlock; do not take another node lock while holding these."""
+        return _node_locks(self.name, keys)
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
         """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.
@@ -501,14 +507,47 @@ def _raw_hit(a: Arena, hit: tuple, key: str) -> tuple[bytes, memoryview]:
     return meta, body
 
 
-_LOCK_STRIPES = 4096
+_LOCK_STRIPES = 1 << 20               # node locks: one lock byte each, chosen by a hash of the key
 _LOCK_BASE = 1 << 40                   # lock bytes far past the arena, beside nothing else
-_thread_locks = [threading.Lock() for _ in range(64)]
 _lock_fds: dict[str, tuple[int, int]] = {}     # store name -> (pid, fd): OFD locks are per open file
 
 
+class _StripeLocks:
+    """This process's thread lock per node-lock stripe in use (an OFD lock does not
+    exclude threads sharing the fd), made on demand and dropped when unused."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.locks: dict[int, list[Any]] = {}      # stripe -> [Lock, users]
+
+    def acquire(self, stripe: int) -> None:
+        with self.guard:
+            entry = self.locks.setdefault(stripe, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            entry[0].acquire()
+        except BaseException:
+            self._drop(stripe)
+            raise
+
+    def release(self, stripe: int) -> None:
+        self.locks[stripe][0].release()
+        self._drop(stripe)
+
+    def _drop(self, stripe: int) -> None:
+        with self.guard:
+            entry = self.locks[stripe]
+            entry[1] -= 1
+            if not entry[1]:
+                del self.locks[stripe]
+
+
+_stripes = _StripeLocks()
+
+
 def _fresh_thread_locks() -> None:       # a forked child must not inherit a parent thread's hold
-    _thread_locks[:] = [threading.Lock() for _ in range(64)]
+    global _stripes
+    _stripes = _StripeLocks()
 
 
 os.register_at_fork(after_in_child=_fresh_thread_locks)
@@ -530,12 +569,26 @@ def _lock_fd(name: str) -> int:
 
 
 @contextlib.contextmanager
-def _node_lock(name: str, key: str) -> Iterator[None]:
-    stripe = zlib.crc32(key.encode()) % _LOCK_STRIPES
-    with _thread_locks[stripe % 64]:          # an OFD lock does not exclude threads sharing the fd
-        fd = _lock_fd(name)
-        _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
-        try:
-            yield
-        finally:
-            _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
+def _node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
+    """Hold the node-lock stripes of ``keys``, taken in increasing order (so two holders
+    of several never wait for each other in a circle), each the thread lock, then the
+    OFD lock; let go in reverse."""
+    stripes = sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
+    fd = _lock_fd(name)
+    locks, held = _stripes, []
+    try:
+        for stripe in stripes:
+            locks.acquire(stripe)
+            try:
+                _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
+            except BaseException:
+                locks.release(stripe)
+                raise
+            held.append(stripe)
+        yield
+    finally:
+        for stripe in reversed(held):
+            try:
+                _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
+            finally:
+                locks.release(stripe)

@@ -38,6 +38,13 @@ class _Counter:
 #: Object payload bytes this process has received over the data plane (GET, GETV, MGET).
 RECEIVED = _Counter()
 
+#: ``land(i, meta, nbytes, fill)``: where ``Peer.getv_many`` puts the bytes of read ``i``.
+Land = Callable[[int, bytes, int, Callable[[Any], None]], None]
+#: Requests of a pipelined batch sent before their replies are read. The member reads every
+#: request before it answers it, so this much must fit in the sockets' buffers (>= 128 KiB
+#: on Linux by default) or both ends would block writing.
+PIPELINE_BYTES = 32 << 10
+
 
 def timed_out(e: BaseException) -> bool:
     """Did a send or receive on a :class:`Conn` run out of time? (its kernel timeout makes
@@ -282,6 +289,78 @@ class Peer:
             RECEIVED.add(f.plen)
             return Got(f.meta, buf, f.version)
         return self._call(go, timeout)
+
+    def getv_many(self, reads: Sequence[tuple[str, Sequence[Span]]], land: Land,
+                  timeout: float | None = None) -> tuple[list[bool | None], ClusterUnavailableError | None]:
+        """Ranged reads of several keys on one connection, pipelined: up to ``PIPELINE_BYTES``
+        of requests go out in one send, then their replies are read in order. For each
+        reply that holds bytes, ``land(i, meta, nbytes, fill)`` is called (``i``: the read's
+        index) and must call ``fill(buf)`` once with a writable buffer of ``nbytes``, which
+        receives the packed spans straight from the socket.
+
+        Returns, per read, True (landed), False (the member does not hold the key) or None
+        (not done: the member failed or stopped answering), and the error that stopped it.
+        Spans the member refuses raise ``ValueError``; what ``land`` raises propagates
+        (the connection is dropped either way)."""
+        out: list[bool | None] = [None] * len(reads)
+        error = None
+        frames = []
+        for key, spans in reads:
+            if len(spans) > MAX_SPANS:
+                raise ValueError(f"a ranged read of {len(spans)} spans (at most {MAX_SPANS})")
+            body = encode_spans(spans)
+            frames.append(pack(GETV, key.encode(), plen=len(body)) + body)
+        done = 0
+        for attempt in (0, 1):
+            c = None
+            try:
+                c = self.borrow(timeout)
+                while done < len(reads):
+                    j, size = done + 1, len(frames[done])
+                    while j < len(reads) and size + len(frames[j]) <= PIPELINE_BYTES:
+                        size += len(frames[j])
+                        j += 1
+                    c.sock.sendall(b"".join(frames[done:j]))
+                    for k in range(done, j):
+                        out[k] = self._land_one(c, k, reads[k], land)
+                        done = k + 1
+                self.give_back(c)
+                c = None
+                break
+            except RemoteError as e:          # it refused a read's spans (outside the object)
+                raise ValueError(f"read of {reads[done][0]!r} from member {self.name}: {e}") from None
+            except (ConnectionError, OSError) as e:
+                # a pooled connection a restarted member closed: once more on a fresh one
+                if attempt or done or isinstance(e, ClusterUnavailableError) or timed_out(e):
+                    error = self.error(e, timeout)
+                    break
+            finally:
+                if c is not None:
+                    c.sock.close()
+        return out, error
+
+    @staticmethod
+    def _land_one(c: Conn, i: int, read: tuple[str, Sequence[Span]], land: Land) -> bool:
+        f = c.reply(GETV)
+        if f.status == NOT_FOUND:
+            return False
+        want = spans_nbytes(read[1])
+        if f.plen != want:
+            raise ProtocolError(f"asked for {want} bytes of {read[0]!r}, got {f.plen}")
+        filled = [False]
+
+        def fill(buf: Any) -> None:
+            dst = memoryview(buf).cast("B")
+            if filled[0] or dst.readonly or dst.nbytes != want:
+                raise ValueError(f"fill takes one writable buffer of {want} bytes, once")
+            filled[0] = True
+            if want:
+                c.rd.readinto(dst)
+            RECEIVED.add(want)
+        land(i, f.meta, want, fill)
+        if not filled[0]:
+            raise RuntimeError("land() returned without calling fill(buf)")
+        return True
 
     def delete(self, key: str, version: tuple[int, int], timeout: float | None = None) -> bool:
         def go(c: Conn) -> bool:

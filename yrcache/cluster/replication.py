@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +91,14 @@ def _pool() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-send"))
     return _POOL[0]
+
+
+def _outcome(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    """``(fn(*args), None)``, or ``(None, what it raised)``."""
+    try:
+        return fn(*args), None
+    except BaseException as e:  # noqa: BLE001 - re-raised by the caller once every job is done
+        return None, e
 
 
 # ---- the client side -------------------------------------------------------------------
@@ -499,37 +507,84 @@ class Router:
 
     def read_spans(self, key: str, spans: list[tp.Span], into: Callable[[bytes, int], Any] | None = None,
                    prefer: Iterable[str] = (), skip: str | None = None) -> tp.Got | None:
-        """The bytes of ``spans`` of ``key``'s payload, packed (``wire.gather``): asked of
-        the ``prefer``-red members first, then the owners, then the other members."""
-        owners = self.owners(key)
-        order = list(dict.fromkeys(itertools.chain(prefer, owners, self.ring.members)))
-        errors = []
-        for m in order:
-            if m == skip or m not in self.members:
-                continue
-            node = self.node
-            try:
-                if node is not None and m == node.member_id:
-                    got = node.read(key)
-                    if got is not None:
-                        n = tp.check_spans(memoryview(got.buf).nbytes, spans)
-                        buf = into(got.meta, n) if into is not None else tp.alloc(n)
-                        tp.gather_into(got.buf, spans, buf)
-                        got = tp.Got(got.meta, buf, got.version)
-                else:
-                    peer = self.peer(m)
-                    got = peer.getv(key, spans, into=into) if peer is not None else None
-            except tp.RemoteError as e:       # it refused the spans (outside the object)
-                raise ValueError(f"read of {key!r} from member {m}: {e}") from None
-            except ClusterUnavailableError as e:
-                errors.append(f"{m}: {e}")
-                continue
+        """The bytes of ``spans`` of ``key``'s payload, packed (``wire.gather``), or None:
+        ``read_spans_many`` of one read, into ``into(meta, n)`` when given."""
+        got: list[tp.Got] = []
+
+        def land(_i: int, meta: bytes, n: int, fill: Callable[[Any], None]) -> None:
+            buf = into(meta, n) if into is not None else tp.alloc(n)
+            fill(buf)
+            got.append(tp.Got(meta, buf, (0, 0)))
+        self.read_spans_many([(key, spans)], land, [prefer], skip)
+        return got[0] if got else None
+
+    def read_spans_many(self, reads: Sequence[tuple[str, list[tp.Span]]], land: tp.Land,
+                        prefer: Sequence[Iterable[str]] = (), skip: str | None = None) -> list[bool]:
+        """Ranged reads of several keys: each asked of its ``prefer``-red members first, then
+        its owners, then the other members, until one holds it; the reads that go to one
+        member travel as one pipelined batch (``Peer.getv_many``), the members in parallel.
+        ``land(i, meta, nbytes, fill)`` takes the bytes of read ``i`` (see ``getv_many``),
+        maybe from several threads at once. Returns whether each read was found; raises
+        ``ClusterUnavailableError`` for a read found nowhere while a member that could hold
+        it did not answer."""
+        orders = []
+        for i, (key, _spans) in enumerate(reads):
+            first = prefer[i] if i < len(prefer) else ()
+            orders.append([m for m in dict.fromkeys(itertools.chain(first, self.owners(key), self.ring.members))
+                           if m != skip])
+        found = [False] * len(reads)
+        errors: list[list[str]] = [[] for _ in reads]
+        tried = [0] * len(reads)
+        todo = list(range(len(reads)))
+        while todo:
+            batches: dict[str, list[int]] = {}
+            for i in todo:
+                while tried[i] < len(orders[i]) and orders[i][tried[i]] not in self.members:
+                    tried[i] += 1
+                if tried[i] < len(orders[i]):
+                    batches.setdefault(orders[i][tried[i]], []).append(i)
+            jobs = [(m, idx, [reads[i] for i in idx]) for m, idx in batches.items()]
+            futures = [_pool().submit(self._read_batch, m, rs, land, idx) for m, idx, rs in jobs[1:]]
+            outcomes = []
+            for m, idx, rs in jobs[:1]:
+                outcomes.append(_outcome(self._read_batch, m, rs, land, idx))
+            outcomes += [_outcome(f.result) for f in futures]      # all done before anything raises
+            for (m, idx, _), (res, exc) in zip(jobs, outcomes):
+                if exc is not None:
+                    raise exc
+                statuses, error = res
+                for i, st in zip(idx, statuses):
+                    found[i] = bool(st)
+                    tried[i] += 1
+                    if st is None and error is not None:
+                        errors[i].append(f"{m}: {error}")
+            todo = [i for i in todo if not found[i] and tried[i] < len(orders[i])]
+        for i, (key, _spans) in enumerate(reads):
+            if not found[i] and errors[i]:
+                raise ClusterUnavailableError(f"read of {key!r}: no member holding it answered "
+                                              f"({'; '.join(errors[i])})")
+        return found
+
+    def _read_batch(self, m: str, reads: list[tuple[str, list[tp.Span]]], land: tp.Land,
+                    index: list[int]) -> tuple[list[bool | None], ClusterUnavailableError | None]:
+        """``reads`` from member ``m`` (this process's own node in place); ``land`` gets the
+        caller's indices."""
+        def land_as(k: int, meta: bytes, n: int, fill: Callable[[Any], None]) -> None:
+            land(index[k], meta, n, fill)
+        node = self.node
+        if node is None or m != node.member_id:
+            peer = self.peer(m)
+            if peer is None:
+                return [None] * len(reads), ClusterUnavailableError(f"member {m} left")
+            return peer.getv_many(reads, land_as)
+        out: list[bool | None] = []
+        for k, (key, spans) in enumerate(reads):
+            got = node.read(key)
             if got is not None:
-                return got
-        if errors:
-            raise ClusterUnavailableError(f"read of {key!r}: no member holding it answered "
-                                          f"({'; '.join(errors)})")
-        return None
+                n = tp.check_spans(memoryview(got.buf).nbytes, spans)    # ValueError: outside it
+                land_as(k, got.meta, n, functools.partial(tp.gather_into, got.buf, spans))
+            out.append(got is not None)
+        return out, None
 
     def keys(self, prefix: str) -> set[str]:
         out: set[str] = set()

@@ -6,11 +6,11 @@ inherits them.
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import codec
 from ..errors import ClusterUnavailableError
 from ..validate import key_bytes
 from . import transport as tp
@@ -22,9 +22,20 @@ if TYPE_CHECKING:
     from .replication import Router
 
 
+def _checked_spans(spans: Iterable[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    try:
+        todo = [(int(o), int(r), int(n), int(st)) for o, r, n, st in spans]
+    except (TypeError, ValueError):
+        todo = [(-1, 0, 0, 0)]
+    if len(todo) > tp.MAX_SPANS or any(min(sp) < 0 for sp in todo):
+        raise ValueError(f"spans must be at most {tp.MAX_SPANS} (offset, run, rows, stride) "
+                         "tuples of ints >= 0")
+    return todo
+
+
 class NodeSharing:
     """Mixed into ``ClusterStore``: needs ``_local``, ``_membership``, ``_router``, ``_shared``,
-    ``cluster`` and ``_check_open``/``_local_get``."""
+    ``cluster`` and ``_check_open``."""
 
     if TYPE_CHECKING:
         cluster: str
@@ -38,7 +49,6 @@ class NodeSharing:
 
         def _check_open(self) -> None: ...
 
-        def _local_get(self, key: str) -> Any: ...
 
     def shared_word(self, name: str) -> SharedWord:
         """The cluster-wide rising counter ``name``: kept in etcd, raised by compare-and-swap
@@ -87,6 +97,13 @@ class NodeSharing:
                                       "node_lock needs a process on a member's machine")
         return self._local.node_lock(key)
 
+    def node_locks(self, keys: Iterable[str]) -> Any:
+        """``TieredStore.node_locks`` on this node's arena (a member or attached process)."""
+        if self._local is None:
+            raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
+                                      "node_locks needs a process on a member's machine")
+        return self._local.node_locks(keys)
+
     def pin_host_memory(self) -> None:
         """``TieredStore.pin_host_memory`` of this node's arena (a no-op for a pure client)."""
         if self._local is not None:
@@ -117,29 +134,62 @@ class NodeSharing:
         members in ``prefer`` first, then the owners; only the requested bytes travel,
         received straight into ``into`` (a writable buffer of the packed size) when given.
         Raises ``ClusterUnavailableError`` when no member that could hold it answers."""
-        self._check_open()
-        key_bytes(key)
-        try:
-            todo = [(int(o), int(r), int(n), int(st)) for o, r, n, st in spans]
-        except (TypeError, ValueError):
-            todo = [(-1, 0, 0, 0)]
-        if len(todo) > tp.MAX_SPANS or any(min(sp) < 0 for sp in todo):
-            raise ValueError(f"spans must be at most {tp.MAX_SPANS} (offset, run, rows, stride) "
-                             "tuples of ints >= 0")
+        todo = _checked_spans(spans)
         n = tp.spans_nbytes(todo)
         dst = None
         if into is not None:
             dst = memoryview(into).cast("B")
             if dst.readonly or dst.nbytes != n:
                 raise ValueError(f"into must be a writable buffer of {n} bytes (the spans' total)")
-        value = self._local_get(key)
-        if value is not None:
-            out = dst if dst is not None else memoryview(bytearray(n))
-            tp.gather_into(codec.flat_bytes(value).data, todo, out)
-            return out
-        got = self._router.read_spans(key, todo, into=None if dst is None else (lambda meta, k: dst),
-                                      prefer=prefer, skip=self._router.member_id if self._local is not None else None)
-        return None if got is None else memoryview(got.buf).cast("B")
+        out: list[Any] = []
+
+        def land(_i: int, _meta: bytes, _n: int, fill: Any) -> None:
+            buf = dst if dst is not None else memoryview(tp.alloc(n)).cast("B")
+            fill(buf)
+            out.append(buf)
+        self.read_ranges_many([(key, todo)], land, prefer=[prefer])
+        return out[0] if out else None
+
+    def read_ranges_many(self, reads: Sequence[tuple[str, Iterable[tuple[int, int, int, int]]]],
+                         land: Callable[[int, bytes, int, Callable[[Any], None]], None], *,
+                         prefer: Sequence[Iterable[str]] = ()) -> list[bool]:
+        """``read_ranges`` of several keys at once: read ``i`` is ``reads[i] = (key, spans)``,
+        asked of the members in ``prefer[i]`` first. The reads served by one member travel
+        as one pipelined batch (a request each, one round trip for all), the members in
+        parallel, so a fetch of many small ranges costs little more than its bytes.
+
+        For each read that some member holds, ``land(i, meta, nbytes, fill)`` is called,
+        possibly from several threads at once: ``meta`` is the object's codec header,
+        ``nbytes`` the packed spans' size, and ``land`` must call ``fill(buf)`` once with a
+        writable buffer of ``nbytes``, which then receives the bytes straight from the
+        socket (inside a ``put_with`` filler, say: one copy from the network into an arena
+        block). Returns, per read, whether it was found; raises ``ClusterUnavailableError``
+        when a read was found nowhere while a member that could hold it did not answer,
+        ``ValueError`` for spans outside the object."""
+        self._check_open()
+        todo = []
+        for key, spans in reads:
+            key_bytes(key)
+            todo.append((key, _checked_spans(spans)))
+        found = [False] * len(todo)
+        remote = []
+        here = self._local is not None and self._router.member_id in self._router.members
+        for i, (key, sp) in enumerate(todo):
+            raw = self._local.get_raw(key) if here and self._local is not None else None
+            if raw is not None:
+                meta, body = raw
+                land(i, meta, tp.check_spans(body.nbytes, sp), functools.partial(tp.gather_into, body, sp))
+                found[i] = True
+            else:
+                remote.append(i)
+        if remote:
+            got = self._router.read_spans_many(
+                [todo[i] for i in remote], lambda k, meta, n, fill: land(remote[k], meta, n, fill),
+                [prefer[i] if i < len(prefer) else () for i in remote],
+                skip=self._router.member_id if self._local is not None else None)
+            for i, ok in zip(remote, got):
+                found[i] = ok
+        return found
 
     @property
     def received_bytes(self) -> int:

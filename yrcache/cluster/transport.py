@@ -40,7 +40,7 @@ from .wire import (  # noqa: F401  (the wire's names are part of this module's i
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, PutItem, Reader,
     RemoteError, Span, alloc, check_spans, decode_entries, decode_spans, encode_entries, encode_spans, gather, gather_into, is_loopback, pack, proof,
     parse_mput, read_frame, recv_exact, send_parts, spans_nbytes, split_address)
-from .peer import RECEIVED, Conn, Peer, put_frame, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
+from .peer import RECEIVED, Conn, Land, Peer, put_frame, recv_puts, send_puts  # noqa: F401  (the client, for `transport.Peer` users)
 
 log = logging.getLogger(__name__)
 _MISSING = _GOT_ITEM.pack(0, 0, 0, 0, 0)      # an MGET reply's item for a key not held here

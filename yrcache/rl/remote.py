@@ -99,22 +99,78 @@ def fetch_parts(store: Any, name: str, version: int, keys: list[str], spans: lis
     """
     node = store.node_store
     pulls = [_Pull(i, k, sp, pf) for i, (k, sp, pf) in enumerate(zip(keys, spans, prefer))]
-    todo = []
+    many = []
     for p in pulls:
         local = node.get(p.key) if node is not None else None
         if local is not None:
             p.buf, p.how = _flat(local), "local"
+        elif not p.nbytes:
+            p.buf, p.how = np.empty(0, np.uint8), "network"
+        elif len(p.spans) > SPANS_PER_READ:        # more than a frame carries: on its own
+            _pull(store, node, name, version, p)
         else:
-            todo.append(p)
-    if len(todo) == 1:
-        _pull(store, node, name, version, todo[0])
-    elif todo:
-        for f in [pool().submit(_pull, store, node, name, version, p) for p in todo]:
-            f.result()
+            many.append(p)
+    if many:
+        _pull_many(store, node, name, version, many)
     counts = {"bytes_network": 0, "bytes_node_cache": 0, "bytes_local": 0}
     for p in pulls:
         counts[f"bytes_{p.how}"] += p.nbytes
     return [p.buf for p in pulls], [p.how != "local" for p in pulls], counts
+
+
+def _pull_many(store: Any, node: Any, name: str, version: int, pulls: list[_Pull]) -> None:
+    """Pull several parts' spans in one ``read_ranges_many`` (a pipelined batch per
+    member): each lands in the node's arena under its cache key while this process
+    holds the node locks of all of them, so a process of the node fetching the same
+    spans waits, then reads them there. A pure client keeps them private."""
+    if node is None:
+        _receive_many(store, pulls, None)
+        return
+    cks = [cache_key(name, version, p.key, p.spans) for p in pulls]
+    with node.node_locks(cks):
+        rest, rest_cks = [], []
+        for p, ck in zip(pulls, cks):
+            cached = node.get(ck)
+            if cached is not None:
+                p.buf, p.how = _flat(cached), "node_cache"
+            else:
+                rest.append(p)
+                rest_cks.append(ck)
+        if rest:
+            _receive_many(store, rest, node, rest_cks)
+
+
+def _receive_many(store: Any, pulls: list[_Pull], node: Any, cks: list[str] | None = None) -> None:
+    again = []
+
+    def land(i: int, _meta: bytes, n: int, fill: Any) -> None:
+        p = pulls[i]
+        p.how = "network"
+        if node is not None and cks is not None:
+            took = []
+
+            def fill_block(u8: Any) -> None:
+                took.append(u8)
+                fill(u8)
+            try:
+                node.put_with(cks[i], codec.array_meta(np.dtype(np.uint8), (n,)), n, fill_block)
+                cached = node.get(cks[i])
+            except (StoreFullError, MemoryError):
+                cached = None                      # no room in the node's arena: keep it private
+            if cached is not None:
+                p.buf = _flat(cached)
+                return
+            if took:                               # received, then gone: pull it again, privately
+                again.append(p)
+                return
+        p.buf = np.empty(n, np.uint8)
+        fill(p.buf)
+    found = store.read_ranges_many([(p.key, p.spans) for p in pulls], land, prefer=[p.prefer for p in pulls])
+    for p, ok in zip(pulls, found):
+        if not ok:
+            raise PartsUnavailable(p.key)
+    for p in again:
+        p.buf = _receive(store, p, None)
 
 
 def _flat(value: Any) -> np.ndarray:
