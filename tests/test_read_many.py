@@ -133,6 +133,15 @@ def test_land_must_take_the_bytes_and_its_errors_reach_the_caller(etcd, tmp_path
             landed = Landed()                        # the connections dropped above were replaced
             assert c.read_ranges_many(reads, landed) == [True] * len(keys)
             assert all(landed.got[i] == expected(value(i), reads[i][1]) for i in range(len(keys)))
+            # nothing to read; no spans; the same read twice
+            assert c.read_ranges_many([], Landed()) == []
+            landed = Landed()
+            odd = [(keys[1], []), reads[2], reads[2], (keys[3], [(7, 0, 5, 9), (9, 3, 0, 1)])]
+            for store in (c, s):
+                landed = Landed()
+                assert store.read_ranges_many(odd, landed) == [True] * 4
+                assert landed.got == {0: b"", 1: expected(value(2), reads[2][1]),
+                                      2: expected(value(2), reads[2][1]), 3: b""}
             for n in nodes:                          # and the members kept serving
                 assert n.proc.poll() is None
 
