@@ -378,15 +378,21 @@ class Forwarder(_Worker):
         node, router = self.node, self.node.router
         per_target: dict[tuple[str, int], list] = collections.defaultdict(list)   # (member, frame flags)
         held = []
+        failed: set[str] = set()
         moves = any(targets is not None for _, (_, targets) in batch)
+        now = time.monotonic()
         for key, (version, targets) in batch:
             if node.versions.get(key) != version:
                 continue                    # replaced or deleted since: that write forwards itself
+            if targets is None:
+                targets = tuple(o for o in node.owners(key) if o != node.member_id)
+            if targets and all(m in self._failing and now < self._failing[m][0] for m in targets):
+                held.append((key, version))     # every target is resting: not even read until then
+                failed.add(key)
+                continue
             got = node.read(key)
             if got is None:
                 continue
-            if targets is None:
-                targets = tuple(o for o in node.owners(key) if o != node.member_id)
             info = node.local.info(key) or {}
             item = (key, got.meta, got.buf, got.buf.nbytes, version, int(info.get("priority") or 0),
                     float(info.get("expire_at") or 0.0))
@@ -396,7 +402,6 @@ class Forwarder(_Worker):
                 flags |= (int(Tier.SSD) + 1) << tp.TIER_SHIFT       # and a cold one stays cold
             for m in targets:
                 per_target[(m, flags)].append(item)
-        failed: set[str] = set()
         stale: set[str] = set()
         for (m, flags), items in per_target.items():
             peer = router.peer(m)
