@@ -505,19 +505,6 @@ class Router:
                     errors.append(f"{m}: {peer.error(e)}")
         return out
 
-    def read_spans(self, key: str, spans: list[tp.Span], into: Callable[[bytes, int], Any] | None = None,
-                   prefer: Iterable[str] = (), skip: str | None = None) -> tp.Got | None:
-        """The bytes of ``spans`` of ``key``'s payload, packed (``wire.gather``), or None:
-        ``read_spans_many`` of one read, into ``into(meta, n)`` when given."""
-        got: list[tp.Got] = []
-
-        def land(_i: int, meta: bytes, n: int, fill: Callable[[Any], None]) -> None:
-            buf = into(meta, n) if into is not None else tp.alloc(n)
-            fill(buf)
-            got.append(tp.Got(meta, buf, (0, 0)))
-        self.read_spans_many([(key, spans)], land, [prefer], skip)
-        return got[0] if got else None
-
     def read_spans_many(self, reads: Sequence[tuple[str, list[tp.Span]]], land: tp.Land,
                         prefer: Sequence[Iterable[str]] = (), skip: str | None = None) -> list[bool]:
         """Ranged reads of several keys: each asked of its ``prefer``-red members first, then
