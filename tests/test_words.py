@@ -178,6 +178,12 @@ def test_node_locks_hold_a_set_and_overlapping_sets_never_deadlock(make_store, s
     p.join(10)
     with s.node_locks([]):                          # nothing to hold
         pass
+    with pytest.raises(TypeError, match="for one key use node_lock"):
+        s.node_locks("a-1")                         # a str is not a list of keys
+    with pytest.raises(TypeError, match="str keys"):
+        s.node_locks(["a-1", 7])
+    with pytest.raises(TypeError, match="a str key"):
+        s.node_lock(b"a-1")
     # two processes x 3 threads, random overlapping sets taken in random orders: the locks
     # are always taken in one global order, so nobody waits for anybody in a circle
     kids = [start(mp_context, _churn_locks, store_name, seed, 150) for seed in (1, 2)]

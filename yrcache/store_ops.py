@@ -131,12 +131,20 @@ class StoreOps:
         s.node_lock(k):`` holds one of 2**20 locks, chosen by a hash of ``k`` (unrelated
         keys rarely share one). It is let go when the block ends or the holder dies (an
         OFD lock on the store's segment). Not reentrant."""
+        if not isinstance(key, str):
+            raise TypeError(f"node_lock takes a str key, got {type(key).__name__} {key!r}")
         return _node_locks(self.name, (key,))
 
     def node_locks(self, keys: Iterable[str]) -> AbstractContextManager[None]:
         """``node_lock`` of several keys at once: ``with s.node_locks(ks):`` holds all of
         them. Their locks are taken in one global order, so holders of overlapping sets
         never deadlock; do not take another node lock while holding these."""
+        if isinstance(keys, (str, bytes)):
+            raise TypeError("node_locks takes several keys (a list of str); for one key use node_lock(key)")
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(f"node_locks takes str keys, got {type(k).__name__} {k!r}")
         return _node_locks(self.name, keys)
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
