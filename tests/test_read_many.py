@@ -167,3 +167,38 @@ def test_reads_fall_over_to_another_owner_when_a_member_dies_unannounced(etcd, t
             # the dead member's batch failed as a whole; each of its reads went to its second owner
             assert calls[victim.member_id] == [[None] * len(first)]
             assert sum(len(b) for m, v in calls.items() if m != victim.member_id for b in v) == len(keys)
+
+
+def test_a_read_whose_transfer_broke_is_read_again_even_if_land_swallowed_the_error(etcd, tmp_path, monkeypatch):
+    from yrcache.cluster import wire
+
+    with ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2") as h:
+        h.start(3)
+        with h.client(replicas=2) as c:
+            h.wait_members(c, 3)
+            keys = [f"b/{i}" for i in range(12)]
+            for i, k in enumerate(keys):
+                c[k] = value(i)
+            real = wire.Reader.readinto
+            broke = []
+
+            def flaky(self, dst):              # the first payload breaks off half-way
+                if not broke and memoryview(dst).nbytes > 100:
+                    broke.append(1)
+                    real(self, memoryview(dst).cast("B")[:50])
+                    raise ConnectionError("peer closed the connection (simulated)")
+                return real(self, dst)
+            monkeypatch.setattr(wire.Reader, "readinto", flaky)
+            got: dict[int, bytes] = {}
+
+            def swallowing(i, meta, n, fill):
+                buf = bytearray(n)
+                try:
+                    fill(buf)
+                except ConnectionError:
+                    return                     # a careless land: the read must not count as done
+                got[i] = bytes(buf)
+            reads = reads_for(keys)
+            assert c.read_ranges_many(reads, swallowing) == [True] * len(keys)
+            # the broken read was asked again (on a fresh connection) and landed whole
+            assert broke and all(got[i] == expected(value(i), reads[i][1]) for i in range(len(keys)))

@@ -347,18 +347,21 @@ class Peer:
         want = spans_nbytes(read[1])
         if f.plen != want:
             raise ProtocolError(f"asked for {want} bytes of {read[0]!r}, got {f.plen}")
-        filled = [False]
+        state = [0]                 # fill: 0 not called, 1 done, 2 failed part-way
 
         def fill(buf: Any) -> None:
             dst = memoryview(buf).cast("B")
-            if filled[0] or dst.readonly or dst.nbytes != want:
+            if state[0] or dst.readonly or dst.nbytes != want:
                 raise ValueError(f"fill takes one writable buffer of {want} bytes, once")
-            filled[0] = True
+            state[0] = 2
             if want:
                 c.rd.readinto(dst)
             RECEIVED.add(want)
+            state[0] = 1
         land(i, f.meta, want, fill)
-        if not filled[0]:
+        if state[0] == 2:           # land swallowed the error: the read is not done, the connection broken
+            raise ConnectionError(f"the connection broke while receiving {read[0]!r}")
+        if not state[0]:
             raise RuntimeError("land() returned without calling fill(buf)")
         return True
 
