@@ -7,14 +7,9 @@ payloads (``mset``, ``put_with``, ``mput_raw``) and reads of the stored bytes
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import os
 import sys
-import threading
 import time
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,9 +19,8 @@ from . import codec
 from .config import Tier, WriteMode, write_mode as _write_mode
 from .placement import RETRY, SMALL_VALUE
 from .errors import YrcacheError
-from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
+from .node_locks import node_locks as _node_locks
 from .tiers.dram import TIER_DRAM, Word, check
-from .tiers.segment import check_trusted, seg_path
 from .types import Value
 from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 
@@ -513,90 +507,3 @@ def _raw_hit(a: Arena, hit: tuple, key: str) -> tuple[bytes, memoryview]:
     if meta[:1] == b"P":
         raise TypeError(f"{key!r} holds a pickled object, which has no raw form: read it with get()")
     return meta, body
-
-
-_LOCK_STRIPES = 1 << 20               # node locks: one lock byte each, chosen by a hash of the key
-_LOCK_BASE = 1 << 40                   # lock bytes far past the arena, beside nothing else
-_lock_fds: dict[str, tuple[int, int]] = {}     # store name -> (pid, fd): OFD locks are per open file
-
-
-class _StripeLocks:
-    """This process's thread lock per node-lock stripe in use (an OFD lock does not
-    exclude threads sharing the fd), made on demand and dropped when unused."""
-
-    def __init__(self) -> None:
-        self.guard = threading.Lock()
-        self.locks: dict[int, list[Any]] = {}      # stripe -> [Lock, users]
-
-    def acquire(self, stripe: int) -> None:
-        with self.guard:
-            entry = self.locks.setdefault(stripe, [threading.Lock(), 0])
-            entry[1] += 1
-        try:
-            entry[0].acquire()
-        except BaseException:
-            self._drop(stripe)
-            raise
-
-    def release(self, stripe: int) -> None:
-        self.locks[stripe][0].release()
-        self._drop(stripe)
-
-    def _drop(self, stripe: int) -> None:
-        with self.guard:
-            entry = self.locks[stripe]
-            entry[1] -= 1
-            if not entry[1]:
-                del self.locks[stripe]
-
-
-_stripes = _StripeLocks()
-
-
-def _fresh_thread_locks() -> None:       # a forked child must not inherit a parent thread's hold
-    global _stripes
-    _stripes = _StripeLocks()
-
-
-os.register_at_fork(after_in_child=_fresh_thread_locks)
-
-
-def _lock_fd(name: str) -> int:
-    got = _lock_fds.get(name)
-    if got is not None and got[0] == os.getpid():
-        return got[1]
-    path = seg_path(name)
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a forked child's own)
-    try:
-        check_trusted(os.fstat(fd), path)       # not another user's file under our store's name
-    except BaseException:
-        os.close(fd)
-        raise
-    _lock_fds[name] = (os.getpid(), fd)
-    return fd
-
-
-@contextlib.contextmanager
-def _node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
-    """Hold the node-lock stripes of ``keys``, taken in increasing order (so two holders
-    of several never wait for each other in a circle), each the thread lock, then the
-    OFD lock; let go in reverse."""
-    stripes = sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
-    fd = _lock_fd(name)
-    locks, held = _stripes, []
-    try:
-        for stripe in stripes:
-            locks.acquire(stripe)
-            try:
-                _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
-            except BaseException:
-                locks.release(stripe)
-                raise
-            held.append(stripe)
-        yield
-    finally:
-        for stripe in reversed(held):
-            try:
-                _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
-            finally:
-                locks.release(stripe)

@@ -1,0 +1,105 @@
+"""Node locks: locks every process of a machine using one store shares
+(``TieredStore.node_lock``/``node_locks``). Each is one byte of an OFD lock on
+the store's segment, far past the arena, chosen by a hash of the key; the kernel
+drops it when its holder dies. A thread lock per stripe in use excludes the
+threads of one process, which share the file description.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+import zlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
+from .tiers.segment import check_trusted, seg_path
+
+_LOCK_STRIPES = 1 << 20               # node locks: one lock byte each, chosen by a hash of the key
+_LOCK_BASE = 1 << 40                   # lock bytes far past the arena, beside nothing else
+_lock_fds: dict[str, tuple[int, int]] = {}     # store name -> (pid, fd): OFD locks are per open file
+
+
+class _StripeLocks:
+    """This process's thread lock per node-lock stripe in use (an OFD lock does not
+    exclude threads sharing the fd), made on demand and dropped when unused."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.locks: dict[int, list[Any]] = {}      # stripe -> [Lock, users]
+
+    def acquire(self, stripe: int) -> None:
+        with self.guard:
+            entry = self.locks.setdefault(stripe, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            entry[0].acquire()
+        except BaseException:
+            self._drop(stripe)
+            raise
+
+    def release(self, stripe: int) -> None:
+        self.locks[stripe][0].release()
+        self._drop(stripe)
+
+    def _drop(self, stripe: int) -> None:
+        with self.guard:
+            entry = self.locks[stripe]
+            entry[1] -= 1
+            if not entry[1]:
+                del self.locks[stripe]
+
+
+_stripes = _StripeLocks()
+
+
+def _fresh_thread_locks() -> None:       # a forked child must not inherit a parent thread's hold
+    global _stripes
+    _stripes = _StripeLocks()
+
+
+os.register_at_fork(after_in_child=_fresh_thread_locks)
+
+
+def _lock_fd(name: str) -> int:
+    got = _lock_fds.get(name)
+    if got is not None and got[0] == os.getpid():
+        return got[1]
+    path = seg_path(name)
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)   # (a forked child's own)
+    try:
+        check_trusted(os.fstat(fd), path)       # not another user's file under our store's name
+    except BaseException:
+        os.close(fd)
+        raise
+    _lock_fds[name] = (os.getpid(), fd)
+    return fd
+
+
+@contextlib.contextmanager
+def node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
+    """Hold the node-lock stripes of ``keys``, taken in increasing order (so two holders
+    of several never wait for each other in a circle), each the thread lock, then the
+    OFD lock; let go in reverse."""
+    stripes = sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
+    fd = _lock_fd(name)
+    locks, held = _stripes, []
+    try:
+        for stripe in stripes:
+            locks.acquire(stripe)
+            try:
+                _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
+            except BaseException:
+                locks.release(stripe)
+                raise
+            held.append(stripe)
+        yield
+    finally:
+        for stripe in reversed(held):
+            try:
+                _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
+            finally:
+                locks.release(stripe)
