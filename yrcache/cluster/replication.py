@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +30,7 @@ from ..errors import AuthenticationError, ClusterUnavailableError
 from ..sizes import parse_size
 from . import transport as tp
 from .membership import MemberInfo
+from .ranged import RangedReads
 from .ring import Ring
 
 if TYPE_CHECKING:
@@ -93,17 +94,11 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _outcome(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
-    """``(fn(*args), None)``, or ``(None, what it raised)``."""
-    try:
-        return fn(*args), None
-    except BaseException as e:  # noqa: BLE001 - re-raised by the caller once every job is done
-        return None, e
-
-
 # ---- the client side -------------------------------------------------------------------
-class Router:
+class Router(RangedReads):
     """Where a key lives and how to reach it, for every process of a cluster store."""
+
+    pool = staticmethod(_pool)          # the sending threads (RangedReads reads with them too)
 
     def __init__(self, replicas: int, token: bytes | None, member_id: str | None = None):
         self.replicas = replicas
@@ -504,74 +499,6 @@ class Router:
                 if m in owners:
                     errors.append(f"{m}: {peer.error(e)}")
         return out
-
-    def read_spans_many(self, reads: Sequence[tuple[str, list[tp.Span]]], land: tp.Land,
-                        prefer: Sequence[Iterable[str]] = (), skip: str | None = None) -> list[bool]:
-        """Ranged reads of several keys: each asked of its ``prefer``-red members first, then
-        its owners, then the other members, until one holds it; the reads that go to one
-        member travel as one pipelined batch (``Peer.getv_many``), the members in parallel.
-        ``land(i, meta, nbytes, fill)`` takes the bytes of read ``i`` (see ``getv_many``),
-        maybe from several threads at once. Returns whether each read was found; raises
-        ``ClusterUnavailableError`` for a read found nowhere while a member that could hold
-        it did not answer."""
-        orders = []
-        for i, (key, _spans) in enumerate(reads):
-            first = prefer[i] if i < len(prefer) else ()
-            orders.append([m for m in dict.fromkeys(itertools.chain(first, self.owners(key), self.ring.members))
-                           if m != skip])
-        found = [False] * len(reads)
-        errors: list[list[str]] = [[] for _ in reads]
-        tried = [0] * len(reads)
-        todo = list(range(len(reads)))
-        while todo:
-            batches: dict[str, list[int]] = {}
-            for i in todo:
-                while tried[i] < len(orders[i]) and orders[i][tried[i]] not in self.members:
-                    tried[i] += 1
-                if tried[i] < len(orders[i]):
-                    batches.setdefault(orders[i][tried[i]], []).append(i)
-            jobs = [(m, idx, [reads[i] for i in idx]) for m, idx in batches.items()]
-            futures = [_pool().submit(self._read_batch, m, rs, land, idx) for m, idx, rs in jobs[1:]]
-            outcomes = []
-            for m, idx, rs in jobs[:1]:
-                outcomes.append(_outcome(self._read_batch, m, rs, land, idx))
-            outcomes += [_outcome(f.result) for f in futures]      # all done before anything raises
-            for (m, idx, _), (res, exc) in zip(jobs, outcomes):
-                if exc is not None:
-                    raise exc
-                statuses, error = res
-                for i, st in zip(idx, statuses):
-                    found[i] = bool(st)
-                    tried[i] += 1
-                    if st is None and error is not None:
-                        errors[i].append(f"{m}: {error}")
-            todo = [i for i in todo if not found[i] and tried[i] < len(orders[i])]
-        for i, (key, _spans) in enumerate(reads):
-            if not found[i] and errors[i]:
-                raise ClusterUnavailableError(f"read of {key!r}: no member holding it answered "
-                                              f"({'; '.join(errors[i])})")
-        return found
-
-    def _read_batch(self, m: str, reads: list[tuple[str, list[tp.Span]]], land: tp.Land,
-                    index: list[int]) -> tuple[list[bool | None], ClusterUnavailableError | None]:
-        """``reads`` from member ``m`` (this process's own node in place); ``land`` gets the
-        caller's indices."""
-        def land_as(k: int, meta: bytes, n: int, fill: Callable[[Any], None]) -> None:
-            land(index[k], meta, n, fill)
-        node = self.node
-        if node is None or m != node.member_id:
-            peer = self.peer(m)
-            if peer is None:
-                return [None] * len(reads), ClusterUnavailableError(f"member {m} left")
-            return peer.getv_many(reads, land_as)
-        out: list[bool | None] = []
-        for k, (key, spans) in enumerate(reads):
-            got = node.read(key)
-            if got is not None:
-                n = tp.check_spans(memoryview(got.buf).nbytes, spans)    # ValueError: outside it
-                land_as(k, got.meta, n, functools.partial(tp.gather_into, got.buf, spans))
-            out.append(got is not None)
-        return out, None
 
     def keys(self, prefix: str) -> set[str]:
         out: set[str] = set()
