@@ -122,6 +122,16 @@ def rollout(url, node, g, count, world, versions, barrier, out, start=None):
         out.put(("rollout", str(g), traceback.format_exc()))
 
 
+def node_holding_fewest(harness, nodes, version: int):
+    """Of ``nodes``, the one whose member owns the fewest parts of ``version`` (one rank)."""
+    with harness.client(replicas=1) as c:
+        harness.wait_members(c, len(nodes))
+        board = WeightSubscriber(c, "policy").board
+        nonce = board.completion(version)["nonces"][0]
+        owners = [c.owners(board.part_key(version, 0, nonce, name))[0] for name in SHAPES]
+    return min(nodes, key=lambda n: owners.count(n.member_id))
+
+
 def collect(out, procs, timeout=120):
     """Every message until all processes ended; raise with a child's traceback."""
     msgs, end = [], time.monotonic() + timeout
@@ -190,12 +200,13 @@ def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
 
 
 def test_processes_of_a_node_pull_a_shared_slice_once(harness):
-    t0, r0, _other = harness.start(3)
+    nodes = harness.start(3)
     url = url_of(harness)
     out, start, one = SPAWN.Queue(), SPAWN.Barrier(2), SPAWN.Barrier(1)   # (kept referenced)
-    pub = SPAWN.Process(target=trainer, args=(url, t0.name, 0, 1, [1], one, out))
+    pub = SPAWN.Process(target=trainer, args=(url, nodes[0].name, 0, 1, [1], one, out))
     pub.start()
     assert collect(out, [pub]) == [("trainer", 0, "ok")]
+    r0 = node_holding_fewest(harness, nodes, 1)           # 3 parts on 3 members: it lacks some
     procs = [SPAWN.Process(target=rollout, args=(url, r0.name, 1, 3, 1, [1], None, out, start)) for _ in range(2)]
     for p in procs:
         p.start()
@@ -316,12 +327,7 @@ def test_processes_with_different_slices_pull_the_parts_they_share_once(harness)
     pub = SPAWN.Process(target=trainer, args=(url, nodes[0].name, 0, 1, [1], one, out))
     pub.start()
     assert collect(out, [pub]) == [("trainer", 0, "ok")]
-    with harness.client(replicas=1) as c:      # 3 parts on 4 members: one of them holds none
-        harness.wait_members(c, 4)
-        board = WeightSubscriber(c, "policy").board
-        nonce = board.completion(1)["nonces"][0]
-        owning = {c.owners(board.part_key(1, 0, nonce, name))[0] for name in SHAPES}
-    r0 = next(n for n in nodes if n.member_id not in owning)
+    r0 = node_holding_fewest(harness, nodes, 1)           # 3 parts on 4 members: it holds none
     gs = [{"a": 1, "b": 0, "bias": 1}, {"a": 1, "b": 2, "bias": 1}]
     procs = [SPAWN.Process(target=rollout, args=(url, r0.name, g, 3, 1, [1], None, out, start)) for g in gs]
     for p in procs:
