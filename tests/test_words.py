@@ -76,8 +76,9 @@ def test_info_describes_without_reading(make_store, tmp_path):
 
 # ---- node locks ------------------------------------------------------------------------
 def _hold_lock(name, key, hold):
+    """Hold ``node_lock(key)`` (a str) or ``node_locks(key)`` (a list) for ``hold`` seconds."""
     s = TieredStore.attach(name)
-    with s.node_lock(key):
+    with s.node_lock(key) if isinstance(key, str) else s.node_locks(key):
         s.word("locked").cas(0, 1)
         s.word("locked").wake()
         time.sleep(hold)
@@ -120,16 +121,6 @@ def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store,
     assert time.monotonic() - t < 5
 
 
-def _hold_locks(name, keys, hold):
-    s = TieredStore.attach(name)
-    with s.node_locks(keys):
-        s.word("locked").cas(0, 1)
-        s.word("locked").wake()
-        time.sleep(hold)
-    s.close()
-    return "released"
-
-
 def _churn_locks(name, seed, rounds):
     """Take random overlapping sets of node locks, each in a random order, from 3 threads."""
     import random
@@ -164,7 +155,7 @@ def test_node_locks_hold_a_set_and_overlapping_sets_never_deadlock(make_store, s
     s = make_store()
     w = s.word("locked")
     seen = w.seq
-    p, q = start(mp_context, _hold_locks, store_name, ["a-1", "a-2", "a-3"], 0.8)
+    p, q = start(mp_context, _hold_lock, store_name, ["a-1", "a-2", "a-3"], 0.8)
     while w.value != 1:
         assert w.wait(seen, 30)
         seen = w.seq

@@ -141,12 +141,14 @@ def _pull_many(store: Any, node: Any, name: str, version: int, pulls: list[_Pull
 
 
 def _receive_many(store: Any, pulls: list[_Pull], node: Any, cks: list[str] | None = None) -> None:
+    """Pull ``pulls`` with one ``read_ranges_many``: each into the node's arena under its
+    cache key in ``cks``, or into private memory (no ``cks``, or no room in the arena)."""
     again = []
 
     def land(i: int, _meta: bytes, n: int, fill: Any) -> None:
         p = pulls[i]
         p.how = "network"
-        if node is not None and cks is not None:
+        if cks is not None:
             took = []
 
             def fill_block(u8: Any) -> None:
