@@ -259,20 +259,15 @@ class Router(RangedReads):
         if one is not None and len(one) == 1 and one[0][3] <= tp.SMALL and \
                 all(items is one for items in per_member.values()):
             frame = tp.put_frame(one[0], flags)
+            if node is None or node.member_id not in per_member:
+                return self._put_round(list(per_member), frame, one, flags, timeout)
         for m, items in per_member.items():
             if node is not None and m == node.member_id:
                 continue
-            peer = self.peer(m)
-            if peer is None:
-                failed.append(f"{m} (left the cluster)")
+            borrowed = self._borrow(m, timeout, failed)
+            if borrowed is None:
                 continue
-            try:
-                c = peer.borrow(timeout)
-            except AuthenticationError:
-                raise
-            except (ClusterUnavailableError, OSError) as e:
-                failed.append(f"{m} ({peer.error(e, timeout)})")
-                continue
+            peer, c = borrowed
             try:
                 frames = tp.send_puts(c, items, flags, frame, packed)
             except (ConnectionError, OSError):
@@ -294,6 +289,60 @@ class Router(RangedReads):
                 tp.recv_puts(c, frames)
                 peer.give_back(c)
             except tp.RemoteError as e:         # the rest of its replies are unread: drop the connection
+                c.sock.close()
+                failed.append(f"{m} ({e})")
+            except (ConnectionError, OSError) as e:
+                c.sock.close()
+                failed.append(f"{m} ({peer.error(e, timeout)})")
+        return failed
+
+    def _borrow(self, m: str, timeout: float | None, failed: list[str]) -> tuple[tp.Peer, tp.Conn] | None:
+        """A connection to member ``m``, or None with why in ``failed``."""
+        peer = self.peer(m)
+        if peer is None:
+            failed.append(f"{m} (left the cluster)")
+            return None
+        try:
+            return peer, peer.borrow(timeout)
+        except AuthenticationError:
+            raise
+        except (ClusterUnavailableError, OSError) as e:
+            failed.append(f"{m} ({peer.error(e, timeout)})")
+            return None
+
+    def _put_round(self, members: list[str], frame: bytes, items: list, flags: int,
+                   timeout: float | None) -> list[str]:
+        """One small put to members that are all remote: ``frame`` out on every
+        connection, then every reply in, in one C call (``_fast.round_trip``)."""
+        failed: list[str] = []
+        held = [(m, *b) for m in members if (b := self._borrow(m, timeout, failed)) is not None]
+        try:
+            replies = _fast.round_trip(tuple(c.sock.fileno() for _, _, c in held), frame, tp.PUT)
+        except BaseException:       # a signal's error mid-round: the connections' state is unknown
+            for _, _, c in held:
+                c.sock.close()
+            raise
+        for (m, peer, c), reply in zip(held, replies):
+            if isinstance(reply, tuple):            # the socket failed
+                c.sock.close()
+                sent, errno = reply
+                if not sent:                        # a stale pooled connection: once more
+                    if err := self._put_items(m, items, flags, timeout):
+                        failed.append(err)
+                    continue
+                e = OSError(errno, os.strerror(errno)) if errno else ConnectionError("the member closed the connection")
+                failed.append(f"{m} ({peer.error(e, timeout)})")
+                continue
+            if isinstance(reply, int):
+                if reply not in (tp.FULL, tp.ERROR):
+                    peer.give_back(c)
+                    continue
+                reply = tp.pack(tp.PUT, status=reply)
+            try:                                    # an error's reply: its message follows the header
+                c.rd.push(reply)
+                tp.recv_puts(c, [0])
+                peer.give_back(c)
+            except tp.RemoteError as e:
                 c.sock.close()
                 failed.append(f"{m} ({e})")
             except (ConnectionError, OSError) as e:

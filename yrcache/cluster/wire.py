@@ -208,6 +208,13 @@ class Reader:
             raise ConnectionError("peer closed the connection")
         self.end += got
 
+    def push(self, data: bytes) -> None:
+        """Put ``data``, received by other means, in front of what comes next (nothing is buffered)."""
+        assert self.start == self.end, "push onto a buffered reader"
+        n = len(data)
+        self.view[:n] = data
+        self.start, self.end = 0, n
+
     def consumed(self, n: int) -> None:
         """Drop the next ``n`` buffered bytes (a frame answered from the buffer)."""
         self.start += n

@@ -1,0 +1,221 @@
+"""A small put to owners that are all remote: one C call sends the frame on every
+connection and reads every reply's header (``_fast.round_trip``), and the router
+(``Router._put_round``) turns what each connection gave into the store's answers.
+
+First ``round_trip`` on socket pairs (every kind of reply and failure), then a
+client's router against stand-in members: real ``Server``s on loopback whose
+handler stores, refuses, fills up, stalls or hangs up.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from yrcache import WriteMode
+from yrcache._fast import round_trip
+from yrcache.cluster import transport as tp
+from yrcache.cluster.membership import MemberInfo
+from yrcache.cluster.replication import Router
+from yrcache.errors import ClusterUnavailableError
+
+FRAME = b"a request frame"
+
+
+def reply(status: int = tp.OK, meta: bytes = b"", op: int = tp.PUT) -> bytes:
+    return tp.pack(op, meta=meta, status=status)
+
+
+@pytest.fixture
+def pairs():
+    made: list[socket.socket] = []
+
+    def make(n: int) -> list[tuple[socket.socket, socket.socket]]:
+        out = [socket.socketpair() for _ in range(n)]
+        for a, b in out:
+            made.extend((a, b))
+        return out
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_round_trip_sends_everywhere_then_reads_each_header(pairs):
+    ps = pairs(3)
+    answers = [reply(), reply(tp.STALE), reply(tp.ERROR, b"ValueError: no")]
+
+    def members():
+        for _, theirs in ps:
+            assert theirs.recv(64) == FRAME
+        for (_, theirs), ans in zip(ps, answers):     # every frame was out before any reply
+            theirs.sendall(ans)
+    t = threading.Thread(target=members)
+    t.start()
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    t.join()
+    # plain replies are their status; one with a message after it is its header, the
+    # message left unread on the socket for the caller
+    assert got[:2] == [tp.OK, tp.STALE]
+    assert got[2] == answers[2][:tp.HDR.size] and ps[2][0].recv(64) == b"ValueError: no"
+
+
+def test_round_trip_leaves_replies_to_other_ops_and_garbage_to_the_caller(pairs):
+    ps = pairs(2)
+    ps[0][1].sendall(reply(op=tp.GET))
+    ps[1][1].sendall(b"G" * tp.HDR.size)
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    assert got == [reply(op=tp.GET), b"G" * tp.HDR.size]
+
+
+def test_round_trip_says_which_sockets_failed_and_whether_the_frame_went_out(pairs):
+    ps = pairs(3)
+    ps[0][0].shutdown(socket.SHUT_WR)       # a stale connection: the frame cannot go out
+    ps[1][1].close()                        # the member is gone: nothing goes out either
+    ps[2][1].sendall(reply()[:10])          # a header cut short, then the member hangs up
+    ps[2][1].shutdown(socket.SHUT_WR)
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    assert got[0] == (False, errno.EPIPE)
+    assert got[1][0] is False and got[1][1] in (errno.EPIPE, errno.ECONNRESET)
+    assert got[2] == (True, 0)
+
+
+def test_round_trip_stops_for_a_signal_whose_handler_raises(pairs):
+    ps = pairs(1)
+
+    class Stop(Exception):
+        pass
+
+    def raise_stop(signum, frame):
+        raise Stop
+    old = signal.signal(signal.SIGALRM, raise_stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Stop):
+            round_trip((ps[0][0].fileno(),), FRAME, tp.PUT)      # the member never answers
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_round_trip_checks_its_arguments(pairs):
+    ps = pairs(1)
+    with pytest.raises(TypeError, match="round_trip"):
+        round_trip([ps[0][0].fileno()], FRAME, tp.PUT)      # a list, not a tuple
+    with pytest.raises(TypeError, match="round_trip"):
+        round_trip((ps[0][0].fileno(),) * 17, FRAME, tp.PUT)
+    with pytest.raises(TypeError):
+        round_trip((ps[0][0].fileno(),), "a str", tp.PUT)
+    with pytest.raises(ValueError):
+        round_trip((-1,), FRAME, tp.PUT)
+
+
+# ---- the router against stand-in members
+
+
+class Member(tp.Handler):
+    """Stores puts, or answers each as ``mode`` says: "refuse" (an error), "full",
+    "stall" (answers after 1 s) or "hang up" (closes the connection unanswered)."""
+
+    def __init__(self) -> None:
+        self.mode = "store"
+        self.puts: list[tuple[str, bytes, tuple[int, int]]] = []
+
+    def put(self, f, fill, skip):
+        if self.mode == "refuse":
+            raise ValueError("this member refuses the put")
+        if self.mode == "full":
+            raise MemoryError("no room for it")
+        if self.mode == "stall":
+            time.sleep(1.0)
+        if self.mode == "hang up":
+            raise ConnectionError("hung up")
+        self.puts.append((f.key, bytes(fill), f.version))
+        return tp.OK
+
+
+@pytest.fixture
+def cluster():
+    """A client's router over members "a" and "b" (replicas=2: both own every key)."""
+    members = {m: Member() for m in "ab"}
+    servers = {m: tp.Server(h, "127.0.0.1:0") for m, h in members.items()}
+    router = Router(replicas=2, token=None)
+    router.update({m: MemberInfo(m, s.address, 1, 0) for m, s in servers.items()})
+    yield router, members
+    router.close()
+    for s in servers.values():
+        s.close()
+
+
+def put(router: Router, key: str, value: bytes, timeout: float | None = None) -> None:
+    router.put(key, b"B", value, len(value), 0, 0.0, WriteMode.WRITE_THROUGH, timeout)
+
+
+def pooled(router: Router, m: str) -> int:
+    peer = router.peer(m)
+    assert peer is not None
+    return len(peer._idle)
+
+
+def test_a_small_put_reaches_both_owners_at_one_version_and_keeps_the_connections(cluster):
+    router, members = cluster
+    value = np.arange(256, dtype=np.uint32).tobytes()
+    for i in range(3):
+        put(router, f"k{i}", value)
+    for m in "ab":
+        assert [(k, v) for k, v, _ in members[m].puts] == [(f"k{i}", value) for i in range(3)]
+        assert pooled(router, m) == 1               # one connection each, reused
+    assert [p[2] for p in members["a"].puts] == [p[2] for p in members["b"].puts]
+
+
+@pytest.mark.parametrize("mode, says", [("refuse", "ValueError: this member refuses the put"),
+                                        ("full", "member is full"),
+                                        ("hang up", "closed the connection")])
+def test_an_owner_that_does_not_store_the_put_is_named_with_why(cluster, mode, says):
+    router, members = cluster
+    put(router, "warm", b"x")
+    members["b"].mode = mode
+    with pytest.raises(ClusterUnavailableError, match="1 of 2 owners") as e:
+        put(router, "k", b"value")
+    msg = str(e.value)
+    assert "(b (" in msg and says in msg and "the others hold it" in msg
+    assert members["a"].puts[-1][:2] == ("k", b"value")
+    assert pooled(router, "a") == 1 and pooled(router, "b") == 0    # b's connection is dropped
+    members["b"].mode = "store"
+    put(router, "k2", b"again")                     # and a new one serves the next put
+    assert members["b"].puts[-1][:2] == ("k2", b"again")
+
+
+def test_a_stale_pooled_connection_is_replaced_and_the_put_sent_again(cluster):
+    router, members = cluster
+    put(router, "warm", b"x")
+    peer = router.peer("b")
+    assert peer is not None
+    peer._idle[0].sock.shutdown(socket.SHUT_WR)     # the frame cannot go out on it
+    put(router, "k", b"value")
+    assert members["b"].puts[-1][:2] == ("k", b"value") and len(members["b"].puts) == 2
+
+
+def test_an_owner_that_does_not_answer_in_time_is_named(cluster):
+    router, members = cluster
+    members["a"].mode = "stall"
+    t0 = time.monotonic()
+    with pytest.raises(ClusterUnavailableError, match=r"a \(member a at .* did not answer within 0.2 s"):
+        put(router, "k", b"value", timeout=0.2)
+    assert time.monotonic() - t0 < 0.9
+    assert members["b"].puts[-1][:2] == ("k", b"value")
+
+
+def test_no_owner_takes_it(cluster):
+    router, members = cluster
+    for h in members.values():
+        h.mode = "refuse"
+    with pytest.raises(ClusterUnavailableError, match="2 of 2 owners .* nobody holds it: put it again"):
+        put(router, "k", b"value")
