@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 
 from yrcache import WriteMode
-from yrcache._fast import round_trip
+from yrcache._fast import round_stats, round_trip
 from yrcache.cluster import transport as tp
 from yrcache.cluster.membership import MemberInfo
 from yrcache.cluster.replication import Router
@@ -57,7 +58,7 @@ def test_round_trip_sends_everywhere_then_reads_each_header(pairs):
             theirs.sendall(ans)
     t = threading.Thread(target=members)
     t.start()
-    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT, 0)
     t.join()
     # plain replies are their status; one with a message after it is its header, the
     # message left unread on the socket for the caller
@@ -69,7 +70,7 @@ def test_round_trip_leaves_replies_to_other_ops_and_garbage_to_the_caller(pairs)
     ps = pairs(2)
     ps[0][1].sendall(reply(op=tp.GET))
     ps[1][1].sendall(b"G" * tp.HDR.size)
-    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT, 0)
     assert got == [reply(op=tp.GET), b"G" * tp.HDR.size]
 
 
@@ -79,7 +80,7 @@ def test_round_trip_says_which_sockets_failed_and_whether_the_frame_went_out(pai
     ps[1][1].close()                        # the member is gone: nothing goes out either
     ps[2][1].sendall(reply()[:10])          # a header cut short, then the member hangs up
     ps[2][1].shutdown(socket.SHUT_WR)
-    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT)
+    got = round_trip(tuple(mine.fileno() for mine, _ in ps), FRAME, tp.PUT, 0)
     assert got[0] == (False, errno.EPIPE)
     assert got[1][0] is False and got[1][1] in (errno.EPIPE, errno.ECONNRESET)
     assert got[2] == (True, 0)
@@ -98,23 +99,80 @@ def test_round_trip_stops_for_a_signal_whose_handler_raises(pairs):
     try:
         t0 = time.monotonic()
         with pytest.raises(Stop):
-            round_trip((ps[0][0].fileno(),), FRAME, tp.PUT)      # the member never answers
+            round_trip((ps[0][0].fileno(),), FRAME, tp.PUT, 0)      # the member never answers
         assert time.monotonic() - t0 < 5
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
 
 
+def answer(theirs: socket.socket, rounds: int, delay: float = 0.0) -> threading.Thread:
+    """A member on the far end of a socket pair: ``rounds`` times, read a frame and answer it."""
+    def run():
+        for _ in range(rounds):
+            assert theirs.recv(64) == FRAME
+            if delay:
+                time.sleep(delay)
+            theirs.sendall(reply())
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_round_trip_polls_for_quick_replies_and_sleeps_for_slow_ones(pairs):
+    (mine, theirs), = pairs(1)
+    fds = (mine.fileno(),)
+    _, polled, slept = round_stats()
+    t = answer(theirs, 200)                 # answered at once: polled for, up to 10 ms
+    assert [round_trip(fds, FRAME, tp.PUT, 10_000_000) for _ in range(200)] == [[tp.OK]] * 200
+    t.join()
+    latency, polled2, slept2 = round_stats()
+    assert polled2 - polled >= 100, (polled2 - polled, slept2 - slept, latency)
+    t = answer(theirs, 1, delay=0.1)        # one late reply: polled for twice the usual time, then slept for
+    cpu = time.thread_time()
+    assert round_trip(fds, FRAME, tp.PUT, 10_000_000) == [tp.OK]
+    cpu = time.thread_time() - cpu
+    t.join()
+    assert cpu < 0.05, f"{cpu:.3f} s of CPU for one reply 0.1 s late: it polled on"
+    assert round_stats()[2] == slept2 + 1
+    latency, polled2, slept2 = round_stats()
+    t = answer(theirs, 30, delay=0.02)      # 20 ms a reply: past a 1 ms limit, so no polling
+    cpu = time.thread_time()
+    assert [round_trip(fds, FRAME, tp.PUT, 1_000_000) for _ in range(30)] == [[tp.OK]] * 30
+    cpu = time.thread_time() - cpu
+    t.join()
+    assert cpu < 0.2, f"{cpu:.3f} s of CPU for 30 rounds of 20 ms: it polled past its limit"
+    latency, polled3, slept3 = round_stats()
+    assert slept3 - slept2 >= 28 and polled3 - polled2 <= 2 and latency > 1_000_000
+    t = answer(theirs, 10)                  # poll_ns 0: never polls, learns nothing
+    assert [round_trip(fds, FRAME, tp.PUT, 0) for _ in range(10)] == [[tp.OK]] * 10
+    t.join()
+    assert round_stats() == (latency, polled3, slept3)
+
+
+def test_a_receive_timeout_still_ends_a_round_after_its_polling(pairs):
+    (mine, _), = pairs(1)
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("@ll", 0, 100_000))
+    t0 = time.monotonic()
+    assert round_trip((mine.fileno(),), FRAME, tp.PUT, 1_000_000) == [(True, errno.EAGAIN)]
+    assert 0.09 < time.monotonic() - t0 < 5
+
+
 def test_round_trip_checks_its_arguments(pairs):
     ps = pairs(1)
+    fd = ps[0][0].fileno()
     with pytest.raises(TypeError, match="round_trip"):
-        round_trip([ps[0][0].fileno()], FRAME, tp.PUT)      # a list, not a tuple
+        round_trip([fd], FRAME, tp.PUT, 0)          # a list, not a tuple
     with pytest.raises(TypeError, match="round_trip"):
-        round_trip((ps[0][0].fileno(),) * 17, FRAME, tp.PUT)
+        round_trip((fd,) * 17, FRAME, tp.PUT, 0)
+    with pytest.raises(TypeError, match="round_trip"):
+        round_trip((fd,), FRAME, tp.PUT, -1)
+    with pytest.raises(TypeError, match="round_trip"):
+        round_trip((fd,), FRAME, tp.PUT)
     with pytest.raises(TypeError):
-        round_trip((ps[0][0].fileno(),), "a str", tp.PUT)
+        round_trip((fd,), "a str", tp.PUT, 0)
     with pytest.raises(ValueError):
-        round_trip((-1,), FRAME, tp.PUT)
+        round_trip((-1,), FRAME, tp.PUT, 0)
 
 
 # ---- the router against stand-in members

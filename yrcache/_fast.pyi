@@ -22,7 +22,13 @@ def round_trip(fds: tuple[int, ...], frame: Any, op: int, /) -> list[int | bytes
     read, the GIL released: per socket the reply's status (a well-formed reply to ``op`` with
     nothing after its header), the header's bytes (anything else: the caller parses it and
     what follows), or ``(sent, errno)`` if the socket failed (``sent``: the frame went out
-    whole; errno 0: the peer closed it). A signal whose handler raises stops the round."""
+    whole; errno 0: the peer closed it). A signal whose handler raises stops the round.
+
+    The replies are polled for first (non-blocking receives) for up to twice the process's
+    recent reply latency, at most ``poll_ns`` (none when replies take longer; 0: never)."""
+def round_stats() -> tuple[int, int, int]:
+    """``(reply_ns, polled, slept)``: this process's recent ``round_trip`` reply latency (an
+    average) and how many rounds with ``poll_ns`` > 0 got every reply while polling / slept."""
 
 class HotPath:
     """Small gets and puts of one arena mapping, each in one C call (made by tiers/dram.py)."""

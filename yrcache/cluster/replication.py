@@ -32,6 +32,7 @@ from . import transport as tp
 from .membership import MemberInfo
 from .ranged import RangedReads
 from .ring import Ring
+from .settings import env_int
 
 if TYPE_CHECKING:
     from .member import Node
@@ -49,6 +50,10 @@ REBALANCE_RATE = parse_size(os.environ.get("YRCACHE_REBALANCE_RATE") or "1GiB") 
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
+# a small put polls for its replies up to this long before it sleeps (_fast.round_trip; 0: never)
+POLL_NS = env_int("YRCACHE_POLL_US", 100) * 1000
+if POLL_NS < 0:
+    raise ValueError(f"YRCACHE_POLL_US={POLL_NS // 1000} is negative: give microseconds >= 0 (0: never poll)")
 
 
 Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call
@@ -317,7 +322,7 @@ class Router(RangedReads):
         failed: list[str] = []
         held = [(m, *b) for m in members if (b := self._borrow(m, timeout, failed)) is not None]
         try:
-            replies = _fast.round_trip(tuple(c.sock.fileno() for _, _, c in held), frame, tp.PUT)
+            replies = _fast.round_trip(tuple(c.sock.fileno() for _, _, c in held), frame, tp.PUT, POLL_NS)
         except BaseException:       # a signal's error mid-round: the connections' state is unknown
             for _, _, c in held:
                 c.sock.close()
