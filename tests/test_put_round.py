@@ -277,3 +277,15 @@ def test_no_owner_takes_it(cluster):
         h.mode = "refuse"
     with pytest.raises(ClusterUnavailableError, match="2 of 2 owners .* nobody holds it: put it again"):
         put(router, "k", b"value")
+
+
+def test_the_poll_limit_comes_from_the_environment_and_is_checked(monkeypatch):
+    from yrcache.cluster.settings import env_int
+    monkeypatch.setenv("YRCACHE_POLL_US", "250")
+    assert env_int("YRCACHE_POLL_US", 100, minimum=0) == 250
+    monkeypatch.setenv("YRCACHE_POLL_US", "")
+    assert env_int("YRCACHE_POLL_US", 100, minimum=0) == 100
+    for bad, says in (("-1", "below 0"), ("fast", "not an integer")):
+        monkeypatch.setenv("YRCACHE_POLL_US", bad)
+        with pytest.raises(ValueError, match=f"YRCACHE_POLL_US='{bad}' is {says}"):
+            env_int("YRCACHE_POLL_US", 100, minimum=0)

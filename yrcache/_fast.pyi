@@ -17,7 +17,7 @@ def wire_mput(body: bytearray, n: int, max_key: int, max_meta: int, /) -> list |
 def wire_items(body: bytearray, n: int, max_meta: int, got: type, /) -> list | None:
     """The ``n`` items of an MGET reply body, each None or ``got(meta, view of body, (hlc,
     writer), -1)``; None for a malformed body."""
-def round_trip(fds: tuple[int, ...], frame: Any, op: int, /) -> list[int | bytes | tuple[bool, int]]:
+def round_trip(fds: tuple[int, ...], frame: Any, op: int, poll_ns: int, /) -> list[int | bytes | tuple[bool, int]]:
     """``frame`` sent whole on every socket (at most 16), then each reply's 72-byte header
     read, the GIL released: per socket the reply's status (a well-formed reply to ``op`` with
     nothing after its header), the header's bytes (anything else: the caller parses it and

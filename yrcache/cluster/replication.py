@@ -51,9 +51,7 @@ BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
 # a small put polls for its replies up to this long before it sleeps (_fast.round_trip; 0: never)
-POLL_NS = env_int("YRCACHE_POLL_US", 100) * 1000
-if POLL_NS < 0:
-    raise ValueError(f"YRCACHE_POLL_US={POLL_NS // 1000} is negative: give microseconds >= 0 (0: never poll)")
+POLL_NS = env_int("YRCACHE_POLL_US", 100, minimum=0) * 1000
 
 
 Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call

@@ -29,15 +29,19 @@ def parse_cluster(cluster: str | None) -> tuple[str, str]:
     return endpoints, os.environ.get("YRCACHE_CLUSTER") or "default"
 
 
-def env_int(name: str, default: int) -> int:
-    """The integer in the environment variable ``name``, ``default`` when unset or empty."""
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """The integer in the environment variable ``name``, ``default`` when unset or empty
+    (``ValueError`` if it is not an integer, or below ``minimum``)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name}={raw!r} is below {minimum}: give an integer >= {minimum}")
+    return value
 
 
 def check_tier(tier: Tier | None) -> Tier | None:
