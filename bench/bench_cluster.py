@@ -75,6 +75,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from yrcache import TieredStore  # noqa: E402
+from yrcache._fast import round_stats  # noqa: E402
 
 KiB, MiB, GiB = U.KiB, U.MiB, U.GiB
 pc = time.perf_counter_ns
@@ -722,6 +723,10 @@ class Bench:
             log(f"1 KiB x {n}, round {rnd + 1}: yrcache put {U.fmt_rate(out['yr_put_many'][-1], '/s')} "
                 f"(r=1 {U.fmt_rate(out['yr_put_many_r1'][-1], '/s')}), get {U.fmt_rate(out['yr_get_many'][-1], '/s')}; "
                 f"redis SET {U.fmt_rate(out['redis_set_many'][-1], '/s')}, GET {U.fmt_rate(out['redis_get_many'][-1], '/s')}")
+        latency, polled, slept = round_stats()
+        out["put_rounds"] = {"reply_ns": latency, "polled": polled, "slept": slept}
+        log(f"small puts so far: {polled} answered while polling, {slept} slept for a reply; recent reply "
+            f"latency {U.fmt_ns(latency)}")
 
         # batches of 100
         b = cfg.batch
@@ -1061,7 +1066,8 @@ async:  TieredStore(cluster=..., member=True) in this process, joined to the 3 n
 1 KiB:  bytes values; {small_n} sequential ops per round, median of {rounds} rounds, interleaved with
         redis-py (one connection, redis-server {redis_version}). yrcache: pure client (member=False),
         replicas=2 write-through unless stated (a put goes to both owners in one round trip, and both
-        members must do their work, on the same 2 CPUs; a Redis SET is one process).
+        members must do their work, on the same 2 CPUs; a Redis SET is one process). The put polls
+        for its replies before it sleeps (YRCACHE_POLL_US, docs/cluster.md); redis-py sleeps.
 batch:  {batch} keys; median of {batch_reps} batches, each mget right after its mset; redis:
         pipeline(transaction=False) of SETs, one MGET. Back to back (info): {batch_reps}x3 mgets in
         a row, then as many MGETs; CPU per call (user + system, /proc) of this process and of the

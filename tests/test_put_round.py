@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from yrcache import WriteMode
-from yrcache._fast import round_stats, round_trip
+from yrcache._fast import await_replies, round_stats, round_trip
 from yrcache.cluster import transport as tp
 from yrcache.cluster.membership import MemberInfo
 from yrcache.cluster.replication import Router
@@ -175,6 +175,50 @@ def test_round_trip_checks_its_arguments(pairs):
         round_trip((-1,), FRAME, tp.PUT, 0)
 
 
+def test_await_replies_waits_for_every_socket_and_names_the_silent_ones(pairs):
+    ps = pairs(4)
+    ps[0][1].sendall(b"an answer")
+    ps[1][1].close()                        # closed: ready (the caller's receive says so)
+    t = threading.Timer(0.05, ps[3][1].sendall, (b"late",))     # comes while it sleeps
+    t.start()
+    fds = tuple(mine.fileno() for mine, _ in ps)
+    t0 = time.monotonic()
+    assert await_replies(fds, 1_000_000, (500,) * 4) == (2,)   # the silent one, at its limit
+    assert 0.45 < time.monotonic() - t0 < 5
+    t.join()
+    t0 = time.monotonic()
+    assert await_replies(fds, 1_000_000, (-1, -1, 200, 5000)) == (2,)    # each its own limit
+    assert 0.15 < time.monotonic() - t0 < 2
+    assert ps[0][0].recv(64) == b"an answer" and ps[3][0].recv(64) == b"late"     # nothing consumed
+    t0 = time.monotonic()
+    assert await_replies(fds, 0, (500,) * 4) is None    # poll_ns 0: nothing waited for
+    assert time.monotonic() - t0 < 0.4
+
+
+def test_await_replies_stops_for_a_signal_whose_handler_raises(pairs):
+    ps = pairs(1)
+
+    class Stop(Exception):
+        pass
+
+    def raise_stop(signum, frame):
+        raise Stop
+    old = signal.signal(signal.SIGALRM, raise_stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(Stop):
+            await_replies((ps[0][0].fileno(),), 1_000_000, (-1,))    # no limit: only the signal ends it
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ValueError, match="await_replies"):
+        await_replies((ps[0][0].fileno(),), 1_000_000, (-2,))
+    with pytest.raises(TypeError, match="await_replies"):
+        await_replies((ps[0][0].fileno(),), 1_000_000, -1)
+    with pytest.raises(TypeError, match="await_replies"):
+        await_replies((ps[0][0].fileno(),) * 1025, 1_000_000, (10,) * 1025)
+
+
 # ---- the router against stand-in members
 
 
@@ -197,6 +241,14 @@ class Member(tp.Handler):
             raise ConnectionError("hung up")
         self.puts.append((f.key, bytes(fill), f.version))
         return tp.OK
+
+    def get(self, f):
+        if self.mode == "stall":
+            time.sleep(3.0)
+        for key, value, version in reversed(self.puts):
+            if key == f.key:
+                return tp.Got(b"B", value, version)
+        return None
 
 
 @pytest.fixture
@@ -289,3 +341,19 @@ def test_the_poll_limit_comes_from_the_environment_and_is_checked(monkeypatch):
         monkeypatch.setenv("YRCACHE_POLL_US", bad)
         with pytest.raises(ValueError, match=f"YRCACHE_POLL_US='{bad}' is {says}"):
             env_int("YRCACHE_POLL_US", 100, minimum=0)
+
+
+def test_a_read_waits_for_a_silent_member_once_for_its_timeout(cluster):
+    router, members = cluster
+    put(router, "k", b"value")
+    assert router.peer("a").get("k").buf == b"value"
+    members["a"].mode = "stall"
+    t0 = time.monotonic()
+    with pytest.raises(ClusterUnavailableError, match="member a at .* did not answer within 0.5 s"):
+        router.peer("a").get("k", timeout=0.5)
+    assert 0.45 < time.monotonic() - t0 < 0.95        # once, not once more in the receive
+    router.peer("a").timeout = 0.5
+    t0 = time.monotonic()
+    got, failed = router.mread({"a": ["k"], "b": ["k"]})
+    assert failed == {"a"} and got["k"].buf == b"value"
+    assert 0.45 < time.monotonic() - t0 < 0.95

@@ -512,7 +512,7 @@ PyMODINIT_FUNC PyInit__fast(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (own_ready(m) < 0) {
+    if (own_ready(m) < 0 || round_ready(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,7 +1,8 @@
 /* Shared by the files of yrcache._fast: fast.c (the HotPath type, its reads and
  * puts), fast_values.c (the values it builds and the headers it finds), fast_wire.c
- * (cluster batches), fast_own.c (a member's clock and own ASYNC puts) and fast_serve.c
- * (a member's single PUT and GET frames). */
+ * (cluster batches), fast_own.c (a member's clock and own ASYNC puts), fast_serve.c
+ * (a member's single PUT and GET frames) and fast_round.c (a client's small requests
+ * and its wait for their replies). */
 #ifndef YR_FAST_H
 #define YR_FAST_H
 #define PY_SSIZE_T_CLEAN
@@ -106,6 +107,7 @@ PyObject *HotPath_shaped(HotPath *self, PyObject *const *args, Py_ssize_t nargs)
 PyObject *HotPath_mreply(HotPath *self, PyObject *const *args, Py_ssize_t nargs);
 const char *plain_key(PyObject *key, Py_ssize_t max_key, Py_ssize_t *klen);
 extern PyMethodDef wire_functions[];   /* module functions: MGET requests and replies of a pure client */
+int round_ready(PyObject *module);    /* fast_round.c: adds round_trip, await_replies, round_stats */
 
 /* fast_own.c: a member's clock, key locks and own ASYNC puts (see there) */
 typedef struct {

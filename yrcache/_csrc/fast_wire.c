@@ -14,10 +14,6 @@
  * not take, an object outside DRAM, a pickled object (the general path refuses
  * it), or one larger than MREPLY_COPY (sent from its pinned view there, not
  * copied).  Nothing stays pinned when it returns. */
-#include <errno.h>
-#include <sys/socket.h>
-#include <time.h>
-
 #include "fast.h"
 
 #define ENTRY_SIZE 18              /* <HQQ */
@@ -406,154 +402,6 @@ static PyObject *wire_puts(PyObject *mod, PyObject *const *args, Py_ssize_t narg
     return out;
 }
 
-/* One small request on several connections at once (a write-through put to a key's
- * owners): `frame` is sent whole on every socket, then each reply's 72-byte header
- * is read, all with the GIL released (in Python the same round took ~20 us more of
- * the client's CPU per 1 KiB put to 2 owners: the Reader, a Frame per reply, the
- * pooled connections' bookkeeping).  Per socket the list holds the reply's status
- * (an int) when the header is a well-formed reply to `op` with no key, meta or
- * payload after it; the header's bytes when it is anything else (the caller parses
- * it and what follows: an error's message, or a protocol error); or (sent, errno)
- * when the socket failed: sent False if the frame did not go out whole, errno 0 if
- * the peer closed it.  A signal whose handler raises stops the round with that
- * error; the sockets are then in an unknown state (the caller closes them).
- *
- * Polling: a reply that finds its reader asleep must wake it, and on a virtual
- * machine that wake-up (an interrupt sent to another CPU) costs the member more
- * than its work on a small put and adds to the round's latency (docs/benchmarks.md).
- * So the replies are first polled for (non-blocking receives) for up to twice the
- * process's recent reply latency (an average over rounds), at most `poll_ns`; a
- * process whose replies take longer than `poll_ns` does not poll at all, and
- * poll_ns 0 never does. */
-#define ROUND_MAX 16
-#define REPLY_HDR 72
-
-static int round_signal(void) {            /* called without the GIL: -1 if a handler raised */
-    PyGILState_STATE g = PyGILState_Ensure();
-    int r = PyErr_CheckSignals();
-    PyGILState_Release(g);
-    return r;
-}
-
-static uint64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-/* Per process, updated without a lock (a lost update among racing threads is harmless):
- * recent rounds' reply latency (an average), and the rounds whose replies all came while
- * polling / that slept for one (round_stats). */
-static uint64_t reply_ns, rounds_polled, rounds_slept;
-
-static PyObject *round_trip(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    long op;
-    long long poll_ns;
-    if (nargs != 4 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > ROUND_MAX ||
-        (op = PyLong_AsLong(args[2])) < 0 || op > 255 || (poll_ns = PyLong_AsLongLong(args[3])) < 0) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "round_trip(fds: tuple of <= 16 ints, frame, op, poll_ns >= 0)");
-        return NULL;
-    }
-    Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
-    int fd[ROUND_MAX], err[ROUND_MAX], sent[ROUND_MAX];
-    unsigned char hdr[ROUND_MAX][REPLY_HDR];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        fd[i] = PyObject_AsFileDescriptor(PyTuple_GET_ITEM(args[0], i));
-        if (fd[i] < 0) return NULL;
-        err[i] = -1;
-        sent[i] = 0;
-    }
-    Py_buffer fr;
-    if (PyObject_GetBuffer(args[1], &fr, PyBUF_SIMPLE) < 0) return NULL;
-    int stopped = 0, failed = 0, slept = 0;
-    uint64_t recent = reply_ns, t0 = 0, until = 0;
-    int polling = poll_ns > 0 && recent <= (uint64_t)poll_ns;
-    Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < n && !stopped; i++) {
-        Py_ssize_t off = 0;
-        while (off < fr.len) {
-            ssize_t k = send(fd[i], (const char *)fr.buf + off, (size_t)(fr.len - off), MSG_NOSIGNAL);
-            if (k >= 0) {
-                off += k;
-            } else if (errno != EINTR) {
-                err[i] = errno;
-                break;
-            } else if (round_signal() < 0) {
-                stopped = 1;
-                break;
-            }
-        }
-        sent[i] = off == fr.len;
-    }
-    if (poll_ns) {
-        t0 = now_ns();
-        until = t0 + (2 * recent < (uint64_t)poll_ns ? 2 * recent : (uint64_t)poll_ns);
-    }
-    for (Py_ssize_t i = 0; i < n && !stopped; i++) {
-        if (!sent[i]) {
-            failed = 1;
-            continue;
-        }
-        size_t got = 0;
-        while (got < REPLY_HDR) {
-            ssize_t k = recv(fd[i], hdr[i] + got, REPLY_HDR - got, polling ? MSG_DONTWAIT : 0);
-            if (k < 0 && polling && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-                polling = now_ns() < until;
-                continue;
-            }
-            slept |= !polling;
-            if (k > 0) {
-                got += (size_t)k;
-            } else if (k == 0 || errno != EINTR) {
-                err[i] = k == 0 ? 0 : errno;
-                failed = 1;
-                break;
-            } else if (round_signal() < 0) {
-                stopped = 1;
-                break;
-            }
-        }
-    }
-    if (t0 && !stopped && !failed) {       /* how long the replies took: an average over rounds */
-        uint64_t took = now_ns() - t0;
-        reply_ns = took > recent ? recent + (took - recent) / 8 : recent - (recent - took) / 8;
-        if (slept) rounds_slept++;
-        else rounds_polled++;
-    }
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&fr);
-    if (stopped) return NULL;
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t i = 0; out && i < n; i++) {
-        PyObject *item;
-        const unsigned char *h = hdr[i];
-        uint32_t klen, mlen;
-        uint64_t plen;
-        uint16_t status;
-        if (err[i] >= 0) {
-            item = Py_BuildValue("(Oi)", sent[i] ? Py_True : Py_False, err[i]);
-        } else {
-            memcpy(&status, h + 6, 2);
-            memcpy(&klen, h + 8, 4);
-            memcpy(&mlen, h + 12, 4);
-            memcpy(&plen, h + 16, 8);
-            if (h[0] == 'Y' && h[1] == 'R' && h[2] == 1 && h[3] == op && !klen && !mlen && !plen)
-                item = PyLong_FromLong(status);
-            else
-                item = PyBytes_FromStringAndSize((const char *)h, REPLY_HDR);
-        }
-        if (!item) Py_CLEAR(out);
-        else PyList_SET_ITEM(out, i, item);
-    }
-    return out;
-}
-
-static PyObject *round_stats(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("(KKK)", (unsigned long long)reply_ns, (unsigned long long)rounds_polled,
-                         (unsigned long long)rounds_slept);
-}
-
 PyMethodDef wire_functions[] = {
     {"keys_valid", (PyCFunction)(void (*)(void))keys_valid, METH_FASTCALL,
      "keys_valid(keys: list, max_key) -> bool: every key an exact str of 1 to max_key UTF-8 bytes "
@@ -572,14 +420,5 @@ PyMethodDef wire_functions[] = {
      "wire_mput(body: bytearray, n, max_key, max_meta) -> list | None: the n items of an MPUT body "
      "held whole, each (key, meta, payload bytes, (hlc, writer), priority, expire_at) as "
      "wire.parse_mput gives them; None for a malformed body."},
-    {"round_trip", (PyCFunction)(void (*)(void))round_trip, METH_FASTCALL,
-     "round_trip(fds: tuple, frame, op, poll_ns) -> list: frame sent on every socket, then each "
-     "reply's 72-byte header read (polled for first, up to poll_ns), the GIL released; per socket the "
-     "reply's status (a plain reply to op), the header's bytes (anything else), or (sent: bool, errno) "
-     "if the socket failed (0: closed)."},
-    {"round_stats", (PyCFunction)round_stats, METH_NOARGS,
-     "round_stats() -> (reply_ns, polled, slept): this process's recent round_trip reply latency "
-     "(an average, ns) and how many rounds (of those that learn it: poll_ns > 0) got every reply "
-     "while polling / slept for one."},
     {NULL, NULL, 0, NULL},
 };

@@ -15,8 +15,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._fast import wire_entries, wire_items, wire_puts
+from .._fast import await_replies, wire_entries, wire_items, wire_puts
 from ..errors import AuthenticationError, ClusterUnavailableError
+from .settings import env_int
 from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
                    MAX_KEY, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
                    STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
@@ -44,6 +45,11 @@ Land = Callable[[int, bytes, int, Callable[[Any], None]], None]
 #: request before it answers it, so this much must fit in the sockets' buffers (>= 128 KiB
 #: on Linux by default) or both ends would block writing.
 PIPELINE_BYTES = 32 << 10
+#: A small request polls for its reply up to this long before it sleeps (``_fast.round_trip``,
+#: ``Conn.await_reply``; 0: never): a reply that finds the client awake spares the member a
+#: wake-up, which on a virtual machine costs it more than a small put's work.
+POLL_NS = env_int("YRCACHE_POLL_US", 100, minimum=0) * 1000
+AWAIT_MAX = 1024         # sockets one await_replies waits for
 
 
 def timed_out(e: BaseException) -> bool:
@@ -76,6 +82,18 @@ class Conn:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self.timeout = timeout
+
+    @property
+    def timeout_ms(self) -> int:
+        """The timeout in milliseconds (-1: none)."""
+        return -1 if self.timeout is None else max(1, round(self.timeout * 1000))
+
+    def await_reply(self) -> None:
+        """Wait for the reply to what was just sent (polling first, ``POLL_NS``); a
+        ``TimeoutError`` if none comes within this connection's timeout."""
+        if POLL_NS and not self.rd.buffered and await_replies((self.sock.fileno(),), POLL_NS,
+                                                               (self.timeout_ms,)) is not None:
+            raise TimeoutError("no reply within the connection's timeout")
 
     def reply(self, op: int) -> Frame:
         f = read_frame(self.rd)
@@ -256,6 +274,7 @@ class Peer:
         """Send one object; return ``OK``, ``SAME`` (it had this version) or ``STALE`` (a newer one)."""
         def go(c: Conn) -> int:
             c.send_put(key, meta, payload, nbytes, version, priority, expire_at, flags)
+            c.await_reply()
             return c.reply(PUT).status
         return self._call(go, timeout)
 
@@ -264,6 +283,7 @@ class Peer:
         """The object (or range) or None; ``into(meta, n)`` may supply the buffer to receive into."""
         def go(c: Conn) -> Got | None:
             c.sock.sendall(pack(GET, key.encode(), offset=offset, length=length))
+            c.await_reply()
             return c.recv_get(into)
         return self._call(go, timeout)
 
@@ -424,6 +444,7 @@ class Peer:
             out: list[Got | None] = []
             for i in range(0, len(keys), MAX_BATCH):
                 c.send_mget(keys[i:i + MAX_BATCH])
+                c.await_reply()
                 out += c.recv_mget(len(keys[i:i + MAX_BATCH]))
             return out
         return self._call(go, timeout)
