@@ -76,6 +76,7 @@ if str(REPO) not in sys.path:
 
 from yrcache import TieredStore  # noqa: E402
 from yrcache._fast import round_stats  # noqa: E402
+from yrcache.cluster.wire import PUT  # noqa: E402
 
 KiB, MiB, GiB = U.KiB, U.MiB, U.GiB
 pc = time.perf_counter_ns
@@ -723,7 +724,7 @@ class Bench:
             log(f"1 KiB x {n}, round {rnd + 1}: yrcache put {U.fmt_rate(out['yr_put_many'][-1], '/s')} "
                 f"(r=1 {U.fmt_rate(out['yr_put_many_r1'][-1], '/s')}), get {U.fmt_rate(out['yr_get_many'][-1], '/s')}; "
                 f"redis SET {U.fmt_rate(out['redis_set_many'][-1], '/s')}, GET {U.fmt_rate(out['redis_get_many'][-1], '/s')}")
-        latency, polled, slept = round_stats()
+        latency, polled, slept = round_stats(PUT)
         out["put_rounds"] = {"reply_ns": latency, "polled": polled, "slept": slept}
         log(f"small puts so far: {polled} answered while polling, {slept} slept for a reply; recent reply "
             f"latency {U.fmt_ns(latency)}")

@@ -122,11 +122,11 @@ def answer(theirs: socket.socket, rounds: int, delay: float = 0.0) -> threading.
 def test_round_trip_polls_for_quick_replies_and_sleeps_for_slow_ones(pairs):
     (mine, theirs), = pairs(1)
     fds = (mine.fileno(),)
-    _, polled, slept = round_stats()
+    _, polled, slept = round_stats(tp.PUT)
     t = answer(theirs, 200)                 # answered at once: polled for, up to 10 ms
     assert [round_trip(fds, FRAME, tp.PUT, 10_000_000) for _ in range(200)] == [[tp.OK]] * 200
     t.join()
-    latency, polled2, slept2 = round_stats()
+    latency, polled2, slept2 = round_stats(tp.PUT)
     assert polled2 - polled >= 100, (polled2 - polled, slept2 - slept, latency)
     t = answer(theirs, 1, delay=0.1)        # one late reply: polled for twice the usual time, then slept for
     cpu = time.thread_time()
@@ -134,20 +134,20 @@ def test_round_trip_polls_for_quick_replies_and_sleeps_for_slow_ones(pairs):
     cpu = time.thread_time() - cpu
     t.join()
     assert cpu < 0.05, f"{cpu:.3f} s of CPU for one reply 0.1 s late: it polled on"
-    assert round_stats()[2] == slept2 + 1
-    latency, polled2, slept2 = round_stats()
+    assert round_stats(tp.PUT)[2] == slept2 + 1
+    latency, polled2, slept2 = round_stats(tp.PUT)
     t = answer(theirs, 30, delay=0.02)      # 20 ms a reply: past a 1 ms limit, so no polling
     cpu = time.thread_time()
     assert [round_trip(fds, FRAME, tp.PUT, 1_000_000) for _ in range(30)] == [[tp.OK]] * 30
     cpu = time.thread_time() - cpu
     t.join()
     assert cpu < 0.2, f"{cpu:.3f} s of CPU for 30 rounds of 20 ms: it polled past its limit"
-    latency, polled3, slept3 = round_stats()
+    latency, polled3, slept3 = round_stats(tp.PUT)
     assert slept3 - slept2 >= 28 and polled3 - polled2 <= 2 and latency > 1_000_000
     t = answer(theirs, 10)                  # poll_ns 0: never polls, learns nothing
     assert [round_trip(fds, FRAME, tp.PUT, 0) for _ in range(10)] == [[tp.OK]] * 10
     t.join()
-    assert round_stats() == (latency, polled3, slept3)
+    assert round_stats(tp.PUT) == (latency, polled3, slept3)
 
 
 def test_a_receive_timeout_still_ends_a_round_after_its_polling(pairs):
@@ -182,16 +182,20 @@ def test_await_replies_waits_for_every_socket_and_names_the_silent_ones(pairs):
     t = threading.Timer(0.05, ps[3][1].sendall, (b"late",))     # comes while it sleeps
     t.start()
     fds = tuple(mine.fileno() for mine, _ in ps)
+    puts, gets = round_stats(tp.PUT), round_stats(tp.GET)
     t0 = time.monotonic()
-    assert await_replies(fds, 1_000_000, (500,) * 4) == (2,)   # the silent one, at its limit
+    assert await_replies(fds, 1_000_000, (500,) * 4, tp.GET) == (2,)   # the silent one, at its limit
     assert 0.45 < time.monotonic() - t0 < 5
     t.join()
     t0 = time.monotonic()
-    assert await_replies(fds, 1_000_000, (-1, -1, 200, 5000)) == (2,)    # each its own limit
+    assert await_replies(fds, 1_000_000, (-1, -1, 200, 5000), tp.GET) == (2,)    # each its own limit
     assert 0.15 < time.monotonic() - t0 < 2
+    assert await_replies(fds[:2], 1_000_000, (500,) * 2, tp.GET) is None
+    # each op learns its own latency; a round with a silent socket teaches nothing
+    assert round_stats(tp.PUT) == puts and sum(round_stats(tp.GET)[1:]) == sum(gets[1:]) + 1
     assert ps[0][0].recv(64) == b"an answer" and ps[3][0].recv(64) == b"late"     # nothing consumed
     t0 = time.monotonic()
-    assert await_replies(fds, 0, (500,) * 4) is None    # poll_ns 0: nothing waited for
+    assert await_replies(fds, 0, (500,) * 4, tp.GET) is None    # poll_ns 0: nothing waited for
     assert time.monotonic() - t0 < 0.4
 
 
@@ -207,16 +211,20 @@ def test_await_replies_stops_for_a_signal_whose_handler_raises(pairs):
     signal.setitimer(signal.ITIMER_REAL, 0.2)
     try:
         with pytest.raises(Stop):
-            await_replies((ps[0][0].fileno(),), 1_000_000, (-1,))    # no limit: only the signal ends it
+            await_replies((ps[0][0].fileno(),), 1_000_000, (-1,), tp.GET)    # no limit: only the signal ends it
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
     with pytest.raises(ValueError, match="await_replies"):
-        await_replies((ps[0][0].fileno(),), 1_000_000, (-2,))
+        await_replies((ps[0][0].fileno(),), 1_000_000, (-2,), tp.GET)
     with pytest.raises(TypeError, match="await_replies"):
-        await_replies((ps[0][0].fileno(),), 1_000_000, -1)
+        await_replies((ps[0][0].fileno(),), 1_000_000, -1, tp.GET)
     with pytest.raises(TypeError, match="await_replies"):
-        await_replies((ps[0][0].fileno(),) * 1025, 1_000_000, (10,) * 1025)
+        await_replies((ps[0][0].fileno(),) * 1025, 1_000_000, (10,) * 1025, tp.GET)
+    with pytest.raises(TypeError, match="await_replies"):
+        await_replies((ps[0][0].fileno(),), 1_000_000, (10,), 16)
+    with pytest.raises(ValueError, match="round_stats"):
+        round_stats(16)
 
 
 # ---- the router against stand-in members

@@ -25,14 +25,15 @@ def round_trip(fds: tuple[int, ...], frame: Any, op: int, poll_ns: int, /) -> li
     whole; errno 0: the peer closed it). A signal whose handler raises stops the round.
 
     The replies are polled for first (non-blocking receives) for up to twice the process's
-    recent reply latency, at most ``poll_ns`` (none when replies take longer; 0: never)."""
-def await_replies(fds: tuple[int, ...], poll_ns: int, timeouts_ms: tuple[int, ...], /) -> tuple[int, ...] | None:
-    """After requests went out on the sockets (at most 1,024), wait until each has something
+    recent reply latency to ``op`` requests, at most ``poll_ns`` (none when they take longer;
+    0: never)."""
+def await_replies(fds: tuple[int, ...], poll_ns: int, timeouts_ms: tuple[int, ...], op: int, /) -> tuple[int, ...] | None:
+    """After requests (``op``, of cluster/wire.py) went out on the sockets (at most 1,024), wait until each has something
     to read (or is closed or failed): polled for first as ``round_trip`` polls, then slept for
     in poll(2), each within its timeout from the call (-1: no limit). Nothing is consumed.
     None, or the indexes of the sockets still silent at their limit; ``poll_ns`` 0: None at once."""
-def round_stats() -> tuple[int, int, int]:
-    """``(reply_ns, polled, slept)``: this process's recent ``round_trip`` reply latency (an
+def round_stats(op: int, /) -> tuple[int, int, int]:
+    """``(reply_ns, polled, slept)``: this process's recent reply latency to ``op`` requests (an
     average) and how many rounds with ``poll_ns`` > 0 got every reply while polling / slept."""
 
 class HotPath:

@@ -25,7 +25,7 @@
  * machine that wake-up (an interrupt sent to another CPU) costs the member more
  * than its work on a small put and adds to the round's latency (docs/benchmarks.md).
  * So the replies are first polled for (non-blocking receives) for up to twice the
- * process's recent reply latency (an average over rounds), at most `poll_ns`; a
+ * process's recent reply latency to `op` (an average over rounds), at most `poll_ns`; a
  * process whose replies take longer than `poll_ns` does not poll at all, and
  * poll_ns 0 never does. */
 #define ROUND_MAX 16                /* sockets of one round_trip (a key's owners) */
@@ -45,18 +45,25 @@ static uint64_t now_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* Per process, updated without a lock (a lost update among racing threads is harmless):
- * recent rounds' reply latency (an average), and the rounds whose replies all came while
- * polling / that slept for one (round_stats). */
-static uint64_t reply_ns, rounds_polled, rounds_slept;
+/* Per process and request op (wire.py's ops: a put's replies come sooner than an
+ * mget's of 100 keys), updated without a lock (a lost update among racing threads is
+ * harmless): recent rounds' reply latency (an average), and the rounds whose replies
+ * all came while polling / that slept for one (round_stats). */
+#define OPS 16
+typedef struct {
+    uint64_t reply_ns, polled, slept;
+} Learned;
+static Learned learned[OPS];
 
 typedef struct {                           /* one round's wait for its replies */
+    Learned *of;
     uint64_t recent, t0, until;
     int polling, slept;
 } Wait;
 
-static void wait_start(Wait *w, long long poll_ns) {   /* right after the requests went out */
-    w->recent = reply_ns;
+static void wait_start(Wait *w, long long poll_ns, long op) {   /* right after the requests went out */
+    w->of = &learned[op];
+    w->recent = w->of->reply_ns;
     w->t0 = poll_ns ? now_ns() : 0;
     w->until = w->t0 + (2 * w->recent < (uint64_t)poll_ns ? 2 * w->recent : (uint64_t)poll_ns);
     w->polling = poll_ns > 0 && w->recent <= (uint64_t)poll_ns;
@@ -66,18 +73,18 @@ static void wait_start(Wait *w, long long poll_ns) {   /* right after the reques
 static void wait_done(Wait *w) {           /* every reply came: learn how long they took */
     if (!w->t0) return;
     uint64_t took = now_ns() - w->t0, recent = w->recent;
-    reply_ns = took > recent ? recent + (took - recent) / 8 : recent - (recent - took) / 8;
-    if (w->slept) rounds_slept++;
-    else rounds_polled++;
+    w->of->reply_ns = took > recent ? recent + (took - recent) / 8 : recent - (recent - took) / 8;
+    if (w->slept) w->of->slept++;
+    else w->of->polled++;
 }
 
 static PyObject *round_trip(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     long op;
     long long poll_ns;
     if (nargs != 4 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > ROUND_MAX ||
-        (op = PyLong_AsLong(args[2])) < 0 || op > 255 || (poll_ns = PyLong_AsLongLong(args[3])) < 0) {
+        (op = PyLong_AsLong(args[2])) < 0 || op >= OPS || (poll_ns = PyLong_AsLongLong(args[3])) < 0) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "round_trip(fds: tuple of <= 16 ints, frame, op, poll_ns >= 0)");
+            PyErr_SetString(PyExc_TypeError, "round_trip(fds: tuple of <= 16 ints, frame, op < 16, poll_ns >= 0)");
         return NULL;
     }
     Py_ssize_t n = PyTuple_GET_SIZE(args[0]);
@@ -110,7 +117,7 @@ static PyObject *round_trip(PyObject *mod, PyObject *const *args, Py_ssize_t nar
         }
         sent[i] = off == fr.len;
     }
-    wait_start(&w, poll_ns);
+    wait_start(&w, poll_ns, op);
     for (Py_ssize_t i = 0; i < n && !stopped; i++) {
         if (!sent[i]) {
             failed = 1;
@@ -165,7 +172,7 @@ static PyObject *round_trip(PyObject *mod, PyObject *const *args, Py_ssize_t nar
     return out;
 }
 
-/* await_replies(fds, poll_ns, timeouts_ms): after requests went out on the sockets
+/* await_replies(fds, poll_ns, timeouts_ms, op): after requests (op) went out on the sockets
  * (by other means), wait until each has something to read, or is closed or failed:
  * polled for as round_trip polls, then slept for in poll(2), each socket within its
  * timeout from the call (-1: no limit).  Nothing is consumed.  None when every socket
@@ -174,12 +181,14 @@ static PyObject *round_trip(PyObject *mod, PyObject *const *args, Py_ssize_t nar
  * None at once. */
 static PyObject *await_replies(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     long long poll_ns;
-    if (nargs != 3 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > AWAIT_MAX ||
+    long op;
+    if (nargs != 4 || !PyTuple_CheckExact(args[0]) || PyTuple_GET_SIZE(args[0]) > AWAIT_MAX ||
         (poll_ns = PyLong_AsLongLong(args[1])) < 0 || !PyTuple_CheckExact(args[2]) ||
-        PyTuple_GET_SIZE(args[2]) != PyTuple_GET_SIZE(args[0])) {
+        PyTuple_GET_SIZE(args[2]) != PyTuple_GET_SIZE(args[0]) || (op = PyLong_AsLong(args[3])) < 0 ||
+        op >= OPS) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_TypeError, "await_replies(fds: tuple of <= 1024 ints, poll_ns >= 0, "
-                            "timeouts_ms: a tuple of an int >= -1 per socket)");
+                            "timeouts_ms: a tuple of an int >= -1 per socket, op < 16)");
         return NULL;
     }
     if (!poll_ns) Py_RETURN_NONE;
@@ -198,7 +207,7 @@ static PyObject *await_replies(PyObject *mod, PyObject *const *args, Py_ssize_t 
     }
     Wait w;
     Py_BEGIN_ALLOW_THREADS
-    wait_start(&w, poll_ns);
+    wait_start(&w, poll_ns, op);
     uint64_t start = now_ns();
     for (Py_ssize_t i = 0; i < n && !stopped; i++) {
         char b;
@@ -249,9 +258,15 @@ static PyObject *await_replies(PyObject *mod, PyObject *const *args, Py_ssize_t 
     return out;
 }
 
-static PyObject *round_stats(PyObject *mod, PyObject *unused) {
-    return Py_BuildValue("(KKK)", (unsigned long long)reply_ns, (unsigned long long)rounds_polled,
-                         (unsigned long long)rounds_slept);
+static PyObject *round_stats(PyObject *mod, PyObject *arg) {
+    long op = PyLong_AsLong(arg);
+    if (op < 0 || op >= OPS) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "round_stats(op): an op of cluster/wire.py (< 16)");
+        return NULL;
+    }
+    Learned *l = &learned[op];
+    return Py_BuildValue("(KKK)", (unsigned long long)l->reply_ns, (unsigned long long)l->polled,
+                         (unsigned long long)l->slept);
 }
 
 static PyMethodDef round_functions[] = {
@@ -261,14 +276,14 @@ static PyMethodDef round_functions[] = {
      "reply's status (a plain reply to op), the header's bytes (anything else), or (sent: bool, errno) "
      "if the socket failed (0: closed)."},
     {"await_replies", (PyCFunction)(void (*)(void))await_replies, METH_FASTCALL,
-     "await_replies(fds: tuple, poll_ns, timeouts_ms: tuple) -> tuple | None: after requests went "
-     "out, wait until every socket has something to read (or is closed or failed), polled for first "
+     "await_replies(fds: tuple, poll_ns, timeouts_ms: tuple, op) -> tuple | None: after requests "
+     "(op) went out, wait until every socket has something to read (or is closed or failed), polled for first "
      "as round_trip polls, then slept for in poll(2), each within its timeout (-1: none); nothing "
      "consumed; None, or the indexes of the sockets still silent; poll_ns 0: None at once."},
-    {"round_stats", (PyCFunction)round_stats, METH_NOARGS,
-     "round_stats() -> (reply_ns, polled, slept): this process's recent round_trip reply latency "
-     "(an average, ns) and how many rounds (of those that learn it: poll_ns > 0) got every reply "
-     "while polling / slept for one."},
+    {"round_stats", (PyCFunction)round_stats, METH_O,
+     "round_stats(op) -> (reply_ns, polled, slept): this process's recent reply latency to op "
+     "requests (an average, ns) and how many rounds (of those that learn it: poll_ns > 0) got every "
+     "reply while polling / slept for one."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -88,11 +88,11 @@ class Conn:
         """The timeout in milliseconds (-1: none)."""
         return -1 if self.timeout is None else max(1, round(self.timeout * 1000))
 
-    def await_reply(self) -> None:
-        """Wait for the reply to what was just sent (polling first, ``POLL_NS``); a
-        ``TimeoutError`` if none comes within this connection's timeout."""
+    def await_reply(self, op: int) -> None:
+        """Wait for the reply to the ``op`` request just sent (polling first, ``POLL_NS``);
+        a ``TimeoutError`` if none comes within this connection's timeout."""
         if POLL_NS and not self.rd.buffered and await_replies((self.sock.fileno(),), POLL_NS,
-                                                               (self.timeout_ms,)) is not None:
+                                                               (self.timeout_ms,), op) is not None:
             raise TimeoutError("no reply within the connection's timeout")
 
     def reply(self, op: int) -> Frame:
@@ -274,7 +274,7 @@ class Peer:
         """Send one object; return ``OK``, ``SAME`` (it had this version) or ``STALE`` (a newer one)."""
         def go(c: Conn) -> int:
             c.send_put(key, meta, payload, nbytes, version, priority, expire_at, flags)
-            c.await_reply()
+            c.await_reply(PUT)
             return c.reply(PUT).status
         return self._call(go, timeout)
 
@@ -283,7 +283,7 @@ class Peer:
         """The object (or range) or None; ``into(meta, n)`` may supply the buffer to receive into."""
         def go(c: Conn) -> Got | None:
             c.sock.sendall(pack(GET, key.encode(), offset=offset, length=length))
-            c.await_reply()
+            c.await_reply(GET)
             return c.recv_get(into)
         return self._call(go, timeout)
 
@@ -444,7 +444,7 @@ class Peer:
             out: list[Got | None] = []
             for i in range(0, len(keys), MAX_BATCH):
                 c.send_mget(keys[i:i + MAX_BATCH])
-                c.await_reply()
+                c.await_reply(MGET)
                 out += c.recv_mget(len(keys[i:i + MAX_BATCH]))
             return out
         return self._call(go, timeout)

@@ -264,7 +264,7 @@ class Router(RangedReads, FanOut):
                 continue
             sent.append((m, peer, c, chunks))
         late = _fast.await_replies(tuple(c.sock.fileno() for _, _, c, _ in sent), POLL_NS,
-                                   tuple(c.timeout_ms for _, _, c, _ in sent)) if 0 < len(sent) <= AWAIT_MAX else None
+                                   tuple(c.timeout_ms for _, _, c, _ in sent), tp.MGET) if 0 < len(sent) <= AWAIT_MAX else None
         for j, (m, peer, c, chunks) in enumerate(sent):
             if late and j in late:              # silent for the whole timeout: not waited for again
                 c.sock.close()
