@@ -8,10 +8,11 @@
   re-replication after a member dies) and drops its own copy of an object it no
   longer owns once every owner holds it, or once an owner answers that it holds
   something newer. Its queue is bounded; ``flush`` waits for it.
-- :class:`Rebalancer`: after each membership change (again a few seconds later,
-  and every ``YRCACHE_REPAIR_S``), compares every local object's owners with
-  what those owners hold (pipelined ``HAVE`` queries) and queues what is missing
-  or misplaced.
+- :class:`Rebalancer`: after each membership change (again a few seconds later),
+  compares every local object's owners with what those owners hold (pipelined
+  ``HAVE`` queries) and queues what is missing or misplaced; every
+  ``YRCACHE_REPAIR_S`` it does the same for the objects written since its last
+  pass (a write that missed an owner), and every tenth time for all of them.
 """
 
 from __future__ import annotations
@@ -450,20 +451,34 @@ class Forwarder(_Worker):
         return retry
 
 
+#: A periodic pass checks only the objects written since the previous pass began (a write
+#: that missed an owner), less this much for writers' clocks that run behind; every
+#: ``FULL_EVERY``-th periodic pass, and every pass after a membership change, checks all.
+SKEW_S = 10.0
+FULL_EVERY = 10
+
+
 class Rebalancer(_Worker):
-    """Finds local objects whose owners lack them (after joins, leaves and deaths)."""
+    """Finds local objects whose owners lack them (after joins, leaves and deaths), and
+    every ``YRCACHE_REPAIR_S`` those written since its last pass that an owner lacks."""
 
     def __init__(self, node: Node):
         super().__init__("yrcache-rebalance")
         self.node = node
         self._due: float | None = time.monotonic()
+        self._full = True               # the next pass checks every object, not only recent writes
+        self._since = 0                 # a periodic pass checks the objects written from this hlc on
+        self._since_full = 0            # periodic passes since the last full one
         self.passes = 0
+        self.full_passes = 0
         self.under_replicated = 0
         self._thread.start()
 
     def poke(self) -> None:
+        """Check every object soon (the member set changed)."""
         with self._cv:
             self._due = time.monotonic()
+            self._full = True
             self._cv.notify_all()
 
     def _loop(self) -> None:
@@ -474,23 +489,29 @@ class Rebalancer(_Worker):
                 if self._stop:
                     return
                 self._due = None
+                full, self._full = self._full or self._since_full >= FULL_EVERY - 1, False
             try:
-                again = self.run_pass()
+                again = self.run_pass(full)
             except StoreClosedError:
                 return
             except Exception as e:      # noqa: BLE001 - logged, tried again
                 log.warning("rebalancing pass failed: %s", e)
                 again = True
             with self._cv:
+                self._full |= again
+                self._since_full = 0 if full else self._since_full + 1
                 if self._due is None:       # also a periodic pass: repairs what a failed write missed
                     self._due = time.monotonic() + (SETTLE_S if again else REPAIR_S)
 
-    def run_pass(self) -> bool:
-        """One pass over the local objects; True if something still needs doing."""
+    def run_pass(self, full: bool = True) -> bool:
+        """One pass over the local objects (``full`` False: only those written since the
+        last pass began, less ``SKEW_S``); True if something still needs doing."""
         node, router = self.node, self.node.router
         me = node.member_id
+        start = (time.time_ns() // 1000 - int(SKEW_S * 1e6)) << 8      # an hlc (fast_own.c)
         want: dict[str, list[tuple[str, Version]]] = collections.defaultdict(list)
-        mine = [(k, v) for k, v in list(node.versions.items())]
+        since = 0 if full else self._since
+        mine = [(k, v) for k, v in list(node.versions.items()) if v[0] >= since]
         for k, v in mine:
             for o in node.owners(k):
                 if o != me:
@@ -521,8 +542,11 @@ class Rebalancer(_Worker):
                 moved += 1
             elif me not in owners and not incomplete:
                 node.drop_if(k, v)           # every owner has it: our copy is surplus
-        self.under_replicated = moved
+        self.under_replicated = moved          # an incremental pass follows one that found none
         self.passes += 1
+        self.full_passes += full
+        if not incomplete:
+            self._since = start
         if moved:
             log.info("rebalancing: %d of %d objects queued for their owners", moved, len(mine))
         return incomplete or bool(moved)

@@ -116,7 +116,7 @@ class Router(RangedReads, FanOut):
 
     def update(self, members: dict[str, MemberInfo]) -> None:
         with self._lock:
-            old = set(self.members)
+            old = {m: i.epoch for m, i in self.members.items()}
             self.members = dict(members)
             if self.node is not None and self.node.own is not None:
                 self.node.own.active = self.node.member_id in members
@@ -127,8 +127,9 @@ class Router(RangedReads, FanOut):
                 if info is None or info.address != p.address:
                     p.close()
                     del self._peers[mid]
-        if set(members) != old:
-            log.info("members: %s", ", ".join(sorted(members)) or "none")
+        if {m: i.epoch for m, i in members.items()} != old:     # a member restarted counts too
+            if set(members) != set(old):
+                log.info("members: %s", ", ".join(sorted(members)) or "none")
             for cb in self.on_change:
                 cb()
 

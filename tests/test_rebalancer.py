@@ -1,0 +1,112 @@
+"""The member's Rebalancer against stand-ins for its node and peers: which objects a
+pass checks with their other owners (all of them after a membership change and every
+``FULL_EVERY``-th periodic pass, otherwise those written since the previous pass),
+and the router telling it when the member set changed, a restarted member included."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import pytest
+
+from yrcache.cluster import member
+from yrcache.cluster.membership import MemberInfo
+from yrcache.cluster.replication import Router
+
+
+def hlc(seconds_ago: float) -> int:
+    return (time.time_ns() // 1000 - int(seconds_ago * 1e6)) << 8
+
+
+class Peer:
+    def __init__(self) -> None:
+        self.asked: list[list[str]] = []
+
+    def have(self, entries):
+        self.asked.append([k for k, _ in entries])
+        return bytes([1] * len(entries))        # the other owner holds everything
+
+
+class Node:
+    """What Rebalancer.run_pass uses of a member's Node: "b" is the other owner of every key."""
+
+    member_id = "me"
+
+    def __init__(self) -> None:
+        self.versions: dict[str, tuple[int, int]] = {}
+        self.peer = Peer()
+        self.router = types.SimpleNamespace(peer=lambda m: self.peer)
+        self.forwarder = types.SimpleNamespace(add=lambda *a: pytest.fail(f"nothing is missing: {a}"))
+
+    def owners(self, key):
+        return ["me", "b"]
+
+
+@pytest.fixture
+def rebalancer(monkeypatch):
+    monkeypatch.setattr(member, "REPAIR_S", 3600.0)      # its own thread: the first pass, then idle
+    node = Node()
+    node.versions = {"old": (hlc(3600), 1), "older": (hlc(7200), 1)}
+    rb = member.Rebalancer(node)
+    deadline = time.monotonic() + 10
+    while rb.passes < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rb.passes == 1 and rb.full_passes == 1
+    yield rb, node
+    rb.close()
+
+
+def test_a_periodic_pass_checks_only_what_was_written_since_the_last_one(rebalancer):
+    rb, node = rebalancer
+    assert sorted(node.peer.asked[-1]) == ["old", "older"]           # the first pass: everything
+    node.versions["new"] = (hlc(0), 1)
+    node.versions["skewed"] = (hlc(member.SKEW_S / 2), 1)         # a writer whose clock runs behind
+    assert rb.run_pass(full=False) is False
+    assert sorted(node.peer.asked[-1]) == ["new", "skewed"]
+    n = len(node.peer.asked)
+    assert rb.run_pass(full=False) is False
+    assert len(node.peer.asked) == n or sorted(node.peer.asked[-1]) == ["new", "skewed"]   # within SKEW_S
+    assert rb.run_pass() is False                                    # a full pass: everything again
+    assert sorted(node.peer.asked[-1]) == ["new", "old", "older", "skewed"]
+    assert rb.full_passes == 2 and rb.passes == 4
+
+
+def test_a_membership_change_and_every_tenth_periodic_pass_check_everything(rebalancer, monkeypatch):
+    rb, node = rebalancer
+    full: list[bool] = []
+    real = rb.run_pass
+    done = threading.Event()
+
+    def spy(full_pass: bool = True) -> bool:
+        full.append(full_pass)
+        out = real(full_pass)
+        if len(full) >= 12:
+            done.set()
+        return out
+    monkeypatch.setattr(rb, "run_pass", spy)
+    monkeypatch.setattr(member, "REPAIR_S", 0.01)
+    rb.poke()                                    # the member set changed
+    assert done.wait(30)
+    with rb._cv:
+        rb._due = None                           # idle again
+    # the poke's pass, then periodic ones: all of them every FULL_EVERY-th
+    assert full[0] is True
+    periodic = full[1:]
+    assert periodic[:member.FULL_EVERY] == [False] * (member.FULL_EVERY - 1) + [True]
+
+
+def test_the_router_reports_a_restarted_member_as_a_change():
+    router = Router(replicas=2, token=None)
+    calls: list[int] = []
+    router.on_change.append(lambda: calls.append(1))
+    router.update({"a": MemberInfo("a", "127.0.0.1:1", 1, 10), "b": MemberInfo("b", "127.0.0.1:2", 1, 11)})
+    assert len(calls) == 1
+    router.update({"a": MemberInfo("a", "127.0.0.1:1", 1, 10), "b": MemberInfo("b", "127.0.0.1:2", 1, 11)})
+    assert len(calls) == 1                       # nothing changed
+    router.update({"a": MemberInfo("a", "127.0.0.1:1", 1, 10), "b": MemberInfo("b", "127.0.0.1:3", 2, 12)})
+    assert len(calls) == 2                       # b restarted: a new epoch, same id
+    router.update({"a": MemberInfo("a", "127.0.0.1:1", 1, 10)})
+    assert len(calls) == 3
+    router.close()
