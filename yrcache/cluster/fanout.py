@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from .member import Node
 
 PARALLEL_BYTES = 1 << 20      # owners that each get more than this are sent to from threads
+ROUND_MAX = 16                # sockets one _fast.round_trip takes (replicas are at most 16)
 
 
 class FanOut:
@@ -54,7 +55,7 @@ class FanOut:
         if one is not None and len(one) == 1 and one[0][3] <= tp.SMALL and \
                 all(items is one for items in per_member.values()):
             frame = tp.put_frame(one[0], flags)
-            if node is None or node.member_id not in per_member:
+            if (node is None or node.member_id not in per_member) and len(per_member) <= ROUND_MAX:
                 return self._put_round(list(per_member), frame, one, flags, timeout)
         for m, items in per_member.items():
             if node is not None and m == node.member_id:
