@@ -9,6 +9,7 @@ handler stores, refuses, fills up, stalls or hangs up.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import signal
 import socket
@@ -86,24 +87,30 @@ def test_round_trip_says_which_sockets_failed_and_whether_the_frame_went_out(pai
     assert got[2] == (True, 0)
 
 
-def test_round_trip_stops_for_a_signal_whose_handler_raises(pairs):
-    ps = pairs(1)
+class Stop(Exception):
+    pass
 
-    class Stop(Exception):
-        pass
 
+@contextlib.contextmanager
+def alarm_raises_stop(after: float = 0.2):
+    """SIGALRM after ``after`` seconds, its handler raising ``Stop``."""
     def raise_stop(signum, frame):
         raise Stop
     old = signal.signal(signal.SIGALRM, raise_stop)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    signal.setitimer(signal.ITIMER_REAL, after)
     try:
-        t0 = time.monotonic()
-        with pytest.raises(Stop):
-            round_trip((ps[0][0].fileno(),), FRAME, tp.PUT, 0)      # the member never answers
-        assert time.monotonic() - t0 < 5
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_round_trip_stops_for_a_signal_whose_handler_raises(pairs):
+    ps = pairs(1)
+    t0 = time.monotonic()
+    with alarm_raises_stop(), pytest.raises(Stop):
+        round_trip((ps[0][0].fileno(),), FRAME, tp.PUT, 0)      # the member never answers
+    assert time.monotonic() - t0 < 5
 
 
 def answer(theirs: socket.socket, rounds: int, delay: float = 0.0) -> threading.Thread:
@@ -201,20 +208,8 @@ def test_await_replies_waits_for_every_socket_and_names_the_silent_ones(pairs):
 
 def test_await_replies_stops_for_a_signal_whose_handler_raises(pairs):
     ps = pairs(1)
-
-    class Stop(Exception):
-        pass
-
-    def raise_stop(signum, frame):
-        raise Stop
-    old = signal.signal(signal.SIGALRM, raise_stop)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
-    try:
-        with pytest.raises(Stop):
-            await_replies((ps[0][0].fileno(),), 1_000_000, (-1,), tp.GET)    # no limit: only the signal ends it
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    with alarm_raises_stop(), pytest.raises(Stop):
+        await_replies((ps[0][0].fileno(),), 1_000_000, (-1,), tp.GET)    # no limit: only the signal ends it
     with pytest.raises(ValueError, match="await_replies"):
         await_replies((ps[0][0].fileno(),), 1_000_000, (-2,), tp.GET)
     with pytest.raises(TypeError, match="await_replies"):

@@ -81,16 +81,23 @@ class FanOut:
             if err:
                 failed.append(err)
         for m, peer, c, frames in sent:
-            try:
-                tp.recv_puts(c, frames)
-                peer.give_back(c)
-            except tp.RemoteError as e:         # the rest of its replies are unread: drop the connection
-                c.sock.close()
-                failed.append(f"{m} ({e})")
-            except (ConnectionError, OSError) as e:
-                c.sock.close()
-                failed.append(f"{m} ({peer.error(e, timeout)})")
+            self._collect(m, peer, c, frames, timeout, failed)
         return failed
+
+    @staticmethod
+    def _collect(m: str, peer: tp.Peer, c: tp.Conn, frames: list[int], timeout: float | None,
+                 failed: list[str]) -> None:
+        """Read member ``m``'s replies to ``frames`` and give ``c`` back, or close it and
+        say why in ``failed`` (after an error the rest of its replies are unread)."""
+        try:
+            tp.recv_puts(c, frames)
+            peer.give_back(c)
+        except tp.RemoteError as e:
+            c.sock.close()
+            failed.append(f"{m} ({e})")
+        except (ConnectionError, OSError) as e:
+            c.sock.close()
+            failed.append(f"{m} ({peer.error(e, timeout)})")
 
     def _borrow(self, m: str, timeout: float | None, failed: list[str]) -> tuple[tp.Peer, tp.Conn] | None:
         """A connection to member ``m``, or None with why in ``failed``."""
@@ -134,16 +141,8 @@ class FanOut:
                     peer.give_back(c)
                     continue
                 reply = tp.pack(tp.PUT, status=reply)
-            try:                                    # an error's reply: its message follows the header
-                c.rd.push(reply)
-                tp.recv_puts(c, [0])
-                peer.give_back(c)
-            except tp.RemoteError as e:
-                c.sock.close()
-                failed.append(f"{m} ({e})")
-            except (ConnectionError, OSError) as e:
-                c.sock.close()
-                failed.append(f"{m} ({peer.error(e, timeout)})")
+            c.rd.push(reply)                        # an error's reply: its message follows the header
+            self._collect(m, peer, c, [0], timeout, failed)
         return failed
 
     def _put_items(self, m: str, items: list, flags: int, timeout: float | None) -> str | None:
