@@ -183,6 +183,8 @@ def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
         assert st["bytes_network"] == st["remote"], st                # only the needed remote bytes
         assert st["bytes_network"] + st["bytes_local"] == st["bytes_needed"], st
         assert st["bytes_node_cache"] == 0                           # slices differ: nothing shared
+        # each knows the other's slice after the first version: straight into the results
+        assert st["bytes_direct"] == (st["bytes_network"] if v > 1 else 0), (v, st)
         assert st["bytes_needed"] < st["bytes_version"] / 4
         # the transport saw the parts' bytes and at most the small completion marker besides
         assert st["bytes_network"] <= st["received"] <= st["bytes_network"] + 8192, st

@@ -3,6 +3,9 @@
 the store's segment, far past the arena, chosen by a hash of the key; the kernel
 drops it when its holder dies. A thread lock per stripe in use excludes the
 threads of one process, which share the file description.
+
+Presence bytes (``hold_presence``/``present``), past the lock bytes, tell the
+node's processes that a process is still alive: it holds one read-locked.
 """
 
 from __future__ import annotations
@@ -10,17 +13,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import secrets
 import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from .tiers._diskutil import _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
+from .tiers._diskutil import _F_OFD_GETLK, _F_OFD_SETLK, _F_OFD_SETLKW, _ofd_lock
 from .tiers.segment import check_trusted, seg_path
 
 _LOCK_STRIPES = 1 << 20               # node locks: one lock byte each, chosen by a hash of the key
 _LOCK_BASE = 1 << 40                   # lock bytes far past the arena, beside nothing else
 _lock_fds: dict[str, tuple[int, int]] = {}     # store name -> (pid, fd): OFD locks are per open file
+_PRESENCE_BASE = _LOCK_BASE + _LOCK_STRIPES     # presence bytes: after the lock bytes
+_PRESENCE_SLOTS = 1 << 30
+_presence: set[tuple[str, int]] = set()         # (store name, byte) this process holds
 
 
 class _StripeLocks:
@@ -59,6 +66,7 @@ _stripes = _StripeLocks()
 def _fresh_thread_locks() -> None:       # a forked child must not inherit a parent thread's hold
     global _stripes
     _stripes = _StripeLocks()
+    _presence.clear()                    # (the parent's, held by the parent's file description)
 
 
 os.register_at_fork(after_in_child=_fresh_thread_locks)
@@ -103,3 +111,31 @@ def node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
                 _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
             finally:
                 locks.release(stripe)
+
+
+def hold_presence(name: str) -> int:
+    """Read-lock a presence byte of store ``name``'s segment, free in this process, until
+    ``drop_presence`` or this process dies; returns it (for ``present``)."""
+    fd = _lock_fd(name)
+    byte = _PRESENCE_BASE + secrets.randbelow(_PRESENCE_SLOTS)
+    while (name, byte) in _presence:
+        byte = _PRESENCE_BASE + secrets.randbelow(_PRESENCE_SLOTS)
+    _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_RDLCK, byte)
+    _presence.add((name, byte))
+    return byte
+
+
+def drop_presence(name: str, byte: int) -> None:
+    """Let go of a byte ``hold_presence`` returned in this process (else a no-op)."""
+    if (name, byte) in _presence:
+        _presence.discard((name, byte))
+        _ofd_lock(_lock_fd(name), _F_OFD_SETLK, fcntl.F_UNLCK, byte)
+
+
+def present(name: str, byte: int) -> bool:
+    """Whether a live process (this one included) holds presence byte ``byte`` of ``name``."""
+    if (name, byte) in _presence:
+        return True
+    if not _PRESENCE_BASE <= byte < _PRESENCE_BASE + _PRESENCE_SLOTS:
+        return False
+    return _ofd_lock(_lock_fd(name), _F_OFD_GETLK, fcntl.F_WRLCK, byte) != fcntl.F_UNLCK

@@ -9,7 +9,9 @@ packed bytes. The received bytes land in the node's arena
 another process of the node fetching the same slice of the same version reads
 them zero-copy instead of pulling them again (versioned keys are immutable: no
 invalidation); a per-key node lock makes the first fetcher pull while the others
-wait for it. Parts this node holds itself are read in place, no copy, no network.
+wait for it. Spans no other process of the node wants (``wants.py``) do not land
+there: they are received privately, straight into the results where they are one
+run of one. Parts this node holds itself are read in place, no copy, no network.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import codec
+from .. import buffers, codec
 from ..errors import StoreFullError
 
 #: Keys of a node's own arena that hold fetched weight bytes (``ClusterStore.node_store``).
@@ -79,53 +81,87 @@ def cache_key(name: str, version: int, part: str, spans: list[tuple]) -> str:
 class _Pull:
     """Where one part's bytes come from in this fetch, and the buffer they end up in."""
 
-    __slots__ = ("slot", "key", "spans", "prefer", "buf", "how", "nbytes")
+    __slots__ = ("slot", "key", "spans", "prefer", "into", "buf", "how", "nbytes")
 
-    def __init__(self, slot: int, key: str, spans: list[tuple], prefer: list[str]):
-        self.slot, self.key, self.spans, self.prefer = slot, key, spans, prefer
+    def __init__(self, slot: int, key: str, spans: list[tuple], prefer: list[str], into: Any):
+        self.slot, self.key, self.spans, self.prefer, self.into = slot, key, spans, prefer, into
         self.buf: Any = None
         self.how = ""                  # network | node_cache (packed spans) | local (the whole part)
         self.nbytes = sum(run * rows for _, run, rows, _ in spans)
 
 
+def direct_slots(targets: tuple, remapped: tuple, nslots: int, outs: list[Any]) -> list[Any]:
+    """Per stored part: the bytes of a result its packed spans are, exactly, or None.
+
+    ``outs[i]`` is target ``i``'s result as flat bytes, allocated before the pull (None:
+    not yet). A part qualifies when one op of one target reads it (``remapped``, from
+    ``plan_spans``) and writes one contiguous run of that result: its spans can then be
+    received straight into the result, with no copy after.
+    """
+    uses, dst = [0] * nslots, [None] * nslots
+    for t, ops, out in zip(targets, remapped, outs):
+        for pid, _packed, do, run, rows, _ss, ds in ops:
+            slot = t.slots[pid]
+            uses[slot] += 1
+            if out is not None and (rows == 1 or ds == run):
+                dst[slot] = out[do:do + run * rows]
+    return [d if u == 1 else None for d, u in zip(dst, uses)]
+
+
 def fetch_parts(store: Any, name: str, version: int, keys: list[str], spans: list[list[tuple]],
-                prefer: list[list[str]]) -> tuple[list[Any], list[bool], dict[str, int]]:
+                prefer: list[list[str]], private: list[bool] | None = None,
+                direct: list[Any] | None = None) -> tuple[list[Any], list[bool], dict[str, int]]:
     """Each part's bytes for this fetch: ``(buffers, packed?, byte counts)``.
 
-    A buffer is the whole part (``packed`` False: this node holds it) or the packed
-    spans. Byte counts: ``bytes_network`` (pulled by this process), ``bytes_node_cache``
+    A buffer is the whole part (``packed`` False: this node holds it), the packed
+    spans, or None: received straight into ``direct[i]`` (a result's bytes, from
+    ``direct_slots``), which only a ``private`` part is (one no other process of the
+    node wants: not landed in the node's arena; a pure client's parts all are).
+    Byte counts: ``bytes_network`` (pulled by this process), ``bytes_node_cache``
     (landed by another process of the node), ``bytes_local`` (read from parts this
-    node holds). Raises ``PartsUnavailable`` for a part no live member holds.
+    node holds); ``bytes_direct``: of ``bytes_network``, those received straight into
+    ``direct``. Raises ``PartsUnavailable`` for a part no live member holds.
     """
-    node = store.node_store
-    pulls = [_Pull(i, k, sp, pf) for i, (k, sp, pf) in enumerate(zip(keys, spans, prefer))]
-    many = []
+    node, n = store.node_store, len(keys)
+    private = [node is None] * n if private is None or node is None else private
+    direct = direct or [None] * n
+    pulls = [_Pull(i, k, sp, pf, direct[i] if private[i] else None)
+             for i, (k, sp, pf) in enumerate(zip(keys, spans, prefer))]
+    many, alone = [], []
     for p in pulls:
         local = node.get(p.key) if node is not None else None
         if local is not None:
             p.buf, p.how = _flat(local), "local"
         elif not p.nbytes:
             p.buf, p.how = np.empty(0, np.uint8), "network"
-        elif len(p.spans) > SPANS_PER_READ:        # more than a frame carries: on its own
+        elif private[p.slot]:
+            if len(p.spans) > SPANS_PER_READ:      # more than a frame carries: on its own
+                p.buf, p.how = _receive(store, p, p.into), "network"
+            else:
+                alone.append(p)
+        elif len(p.spans) > SPANS_PER_READ:
             _pull(store, node, name, version, p)
         else:
             many.append(p)
+    if alone:
+        _receive_many(store, alone, None)
     if many:
         _pull_many(store, node, name, version, many)
-    counts = {"bytes_network": 0, "bytes_node_cache": 0, "bytes_local": 0}
+    counts = {"bytes_network": 0, "bytes_node_cache": 0, "bytes_local": 0, "bytes_direct": 0}
+    bufs = []
     for p in pulls:
         counts[f"bytes_{p.how}"] += p.nbytes
-    return [p.buf for p in pulls], [p.how != "local" for p in pulls], counts
+        straight = p.into is not None and p.buf is p.into
+        counts["bytes_direct"] += p.nbytes if straight else 0
+        bufs.append(None if straight else p.buf)
+    return bufs, [p.how != "local" for p in pulls], counts
 
 
 def _pull_many(store: Any, node: Any, name: str, version: int, pulls: list[_Pull]) -> None:
     """Pull several parts' spans in one ``read_ranges_many`` (a pipelined batch per
     member): each lands in the node's arena under its cache key while this process
     holds the node locks of all of them, so a process of the node fetching the same
-    spans waits, then reads them there. A pure client keeps them private."""
-    if node is None:
-        _receive_many(store, pulls, None)
-        return
+    spans waits, then reads them there."""
     cks = [cache_key(name, version, p.key, p.spans) for p in pulls]
     with node.node_locks(cks):
         rest, rest_cks = [], []
@@ -142,7 +178,8 @@ def _pull_many(store: Any, node: Any, name: str, version: int, pulls: list[_Pull
 
 def _receive_many(store: Any, pulls: list[_Pull], node: Any, cks: list[str] | None = None) -> None:
     """Pull ``pulls`` with one ``read_ranges_many``: each into the node's arena under its
-    cache key in ``cks``, or into private memory (no ``cks``, or no room in the arena)."""
+    cache key in ``cks``, or privately (no ``cks``, or no room in the arena): into its
+    ``into`` or a pooled buffer."""
     again = []
 
     def land(i: int, _meta: bytes, n: int, fill: Any) -> None:
@@ -165,7 +202,7 @@ def _receive_many(store: Any, pulls: list[_Pull], node: Any, cks: list[str] | No
             if took:                               # received, then gone: pull it again, privately
                 again.append(p)
                 return
-        p.buf = np.empty(n, np.uint8)
+        p.buf = p.into if p.into is not None else buffers.empty_array(np.uint8, (n,))
         fill(p.buf)
     found = store.read_ranges_many([(p.key, p.spans) for p in pulls], land, prefer=[p.prefer for p in pulls])
     for p, ok in zip(pulls, found):
@@ -181,12 +218,6 @@ def _flat(value: Any) -> np.ndarray:
 
 
 def _pull(store: Any, node: Any, name: str, version: int, p: _Pull) -> None:
-    if not p.nbytes:
-        p.buf, p.how = np.empty(0, np.uint8), "network"
-        return
-    if node is None:                               # a pure client: no node to share with
-        p.buf, p.how = _receive(store, p, None), "network"
-        return
     ck = cache_key(name, version, p.key, p.spans)
     with node.node_lock(ck):                       # the node's first fetcher pulls, the rest wait
         cached = node.get(ck)
@@ -207,7 +238,7 @@ def _pull(store: Any, node: Any, name: str, version: int, p: _Pull) -> None:
 
 
 def _receive(store: Any, p: _Pull, into: Any) -> Any:
-    dst = np.empty(p.nbytes, np.uint8) if into is None else into
+    dst = buffers.empty_array(np.uint8, (p.nbytes,)) if into is None else into
     pos = 0
     for i in range(0, len(p.spans), SPANS_PER_READ):      # a frame carries at most so many
         chunk = p.spans[i:i + SPANS_PER_READ]

@@ -20,8 +20,9 @@ from .. import buffers, codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
-from .remote import PartsUnavailable, drop_older, fetch_parts, is_remote, plan_spans
+from .remote import PartsUnavailable, direct_slots, drop_older, fetch_parts, is_remote, plan_spans
 from .reshard import Fused, Shard, _Plan, _compile, _run_plan, plan_fused, plan_shard
+from .wants import Wants, span_ids
 
 if TYPE_CHECKING:
     from .. import TieredStore
@@ -175,7 +176,10 @@ class WeightSubscriber:
     version), ``parts``, ``targets`` and ``seconds``; over a cluster store also
     ``bytes_network`` (pulled by this process), ``bytes_node_cache`` (landed
     in the node's arena by another of its processes) and ``bytes_local``
-    (parts this node holds), which add up to ``bytes_needed``.  A subscriber
+    (parts this node holds), which add up to ``bytes_needed``, and
+    ``bytes_direct``: of ``bytes_network``, those received straight into the
+    results (spans no other process of the node pulled last time, where they
+    are one run of a result made by this fetch: no copy after the socket).  A subscriber
     pickles as its store's name and its weight set's name.
 
     Examples:
@@ -206,6 +210,8 @@ class WeightSubscriber:
         # the same marker bytes, so its marker and parts are read in one mget
         self._whole: tuple[bytes, dict, _Compiled, list[str]] | None = None
         self._remote = is_remote(store)             # parts on other machines (a cluster store)
+        # which spans this subscriber pulls, recorded for its node's other processes
+        self._wants = Wants(store.node_store if self._remote else None, name)
 
     def __reduce__(self):
         return (WeightSubscriber, (self.store, self.name))
@@ -237,6 +243,8 @@ class WeightSubscriber:
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._wants.fetched:
+            self._wants.present()                # the node's other processes: land what they pull
         while True:
             seen = self.board.token()            # before checking: no lost wake-up
             latest = self.board.latest()
@@ -431,9 +439,9 @@ class WeightSubscriber:
         if extra:
             raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
                              f"{sorted(c.names)[:20]})")
-        targets, net = c.targets, {}
+        targets, net, pre = c.targets, {}, {}
         if self._remote:                               # parts on other machines: ranged reads
-            targets, bufs, net = self._fetch_remote(c, version, marker, keys)
+            targets, bufs, net, pre = self._fetch_remote(c, version, marker, keys, into)
         else:
             decoded = _reads_decoded(c, plain)
             if views is None:                          # one atomic, pinned snapshot
@@ -468,7 +476,7 @@ class WeightSubscriber:
                         bufs = [_src_bytes(v) for v in views]
                 if got is None:
                     got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
-                                       into.get(t.name), dtype, stager)
+                                       into.get(t.name), dtype, stager, pre.get(t.name))
                 out[t.name] = got
                 copied += t.plan.nbytes
                 bar.update(t.plan.nbytes)
@@ -483,14 +491,20 @@ class WeightSubscriber:
             "seconds": time.perf_counter() - t0, **net}
         return out
 
-    def _fetch_remote(self, c: _Compiled, version: int, marker: dict, keys: list[str]) -> tuple:
+    def _fetch_remote(self, c: _Compiled, version: int, marker: dict, keys: list[str], into: dict) -> tuple:
         """The parts over a cluster store: only the spans the plans read (pulled once per
-        node); the targets' plans rewritten to read the packed spans."""
+        node); the targets' plans rewritten to read the packed spans. Results without
+        ``into`` are made first: a part no other process of the node wants is received
+        straight into its result where it is one run of it (its ops then dropped)."""
         spans, remapped = plan_spans(c.targets, len(keys))
         placement = marker.get("placement") or []
         prefer = [list(placement[r].get(t, ())) if r < len(placement) else [] for t, r in c.refs]
+        pre = {t.name: _new_result(t) for t in c.targets if t.name not in into}
+        direct = direct_slots(c.targets, remapped, len(keys),
+                              [codec.as_bytes_view(pre[t.name]) if t.name in pre else None for t in c.targets])
+        private = self._wants.private(span_ids(self.name, c.refs, spans))
         try:
-            bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer)
+            bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer, private, direct)
         except PartsUnavailable as e:
             if not self.board.is_complete(version):
                 raise KeyError(self._gone(version)) from None
@@ -498,26 +512,27 @@ class WeightSubscriber:
                 f"version {version} of {self.name!r}: part {e.args[0]!r} is on no live member (the "
                 "members holding it died); wait() for a newer version") from None
         targets = tuple(t._replace(plan=t.plan._replace(ops=tuple(
-            new if packed[t.slots[old[0]]] else old for old, new in zip(t.plan.ops, ops))))
+            new if packed[t.slots[old[0]]] else old for old, new in zip(t.plan.ops, ops)
+            if bufs[t.slots[old[0]]] is not None)))
             for t, ops in zip(c.targets, remapped))
         if self._cached_version != version:
             self._cached_version = version
             drop_older(self.store, self.board, self.name, version, int(marker.get("keep") or 1))
-        return targets, bufs, net
+        return targets, bufs, net, pre
 
-    def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager | None) -> Any:
+    def _gather(self, t: _Target, srcs: list, dst: Any, dtype: Any, stager: _Stager | None,
+                res: Any = None) -> Any:
+        """Target ``t`` gathered from ``srcs`` into ``dst`` (``into=``), or into ``res`` (a
+        ``_new_result`` that may hold some of it already) or a new result."""
         want = None
         if dtype is not None and t.floating:
             want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
         if dst is None:
-            if t.kind == "torch":
-                torch = _torch()
-                res = buffers.empty_tensor(torch, getattr(torch, t.dtype), t.shape)
-                _run_plan(t.plan, srcs, codec.as_bytes_view(res))
-                return res if want is None or want == res.dtype else res.to(want)
-            res = buffers.empty_array(t.dtype, t.shape)
-            _run_plan(t.plan, srcs, res.reshape(-1).view(np.uint8))
-            return res if want is None or want == res.dtype else res.astype(want)
+            res = _new_result(t) if res is None else res
+            _run_plan(t.plan, srcs, codec.as_bytes_view(res))
+            if want is None or want == res.dtype:
+                return res
+            return res.to(want) if t.kind == "torch" else res.astype(want)
         # ---- into=
         is_t = codec.is_tensor(dst)
         if not is_t and not isinstance(dst, np.ndarray):
@@ -553,6 +568,14 @@ class WeightSubscriber:
 
     def __repr__(self) -> str:
         return f"<WeightSubscriber {self.name!r} latest={self.latest()}>"
+
+
+def _new_result(t: _Target) -> Any:
+    """A new result for target ``t`` in its stored dtype (pooled pages from 1 MiB)."""
+    if t.kind == "torch":
+        torch = _torch()
+        return buffers.empty_tensor(torch, getattr(torch, t.dtype), t.shape)
+    return buffers.empty_array(t.dtype, t.shape)
 
 
 def _stored_torch_dtype(t: _Target):

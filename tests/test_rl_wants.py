@@ -1,0 +1,162 @@
+"""Which spans land in a node's arena: only those another live subscriber of the node
+pulled last time (``yrcache/rl/wants.py``); the rest are received straight into the
+fetch's results. A real etcd and ``yrcache node`` members on loopback; the node's
+processes are this test process and spawned ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pyetcd")
+from cluster_util import wait_for  # noqa: E402
+from test_rl_cluster import (SHAPES, SPAWN, collect, expected_slice, harness, open_store,  # noqa: E402,F401
+                             remote_bytes, rollout, rollout_layout, trainer, trainer_state, url_of)
+
+from yrcache.rl import WeightPublisher, WeightSubscriber  # noqa: E402
+from yrcache.rl.wants import WANTS  # noqa: E402
+
+
+def _publish_remote(pub, rs, sub, after: int) -> int:
+    """Publish the first version after ``after`` of which some part is on another node
+    than ``rs``'s (a publisher's part keys differ by version only, so that is known)."""
+    nonce = sub.board.completion(after)["nonces"][0]
+    v = after + 1
+    while all(rs.owners(sub.board.part_key(v, 0, nonce, n))[0] == rs.member_id for n in SHAPES):
+        v += 1
+    pub.publish(trainer_state(0, 1, v), version=v)
+    assert sub.wait(newer_than=after, timeout=10) == v
+    return v
+
+
+def _fetch(store, sub, v, g, count=3, **kw):
+    res = sub.fetch(v, layout=rollout_layout(g, count), **kw)
+    for name in SHAPES:
+        want = expected_slice(name, v, g, count)
+        np.testing.assert_array_equal(res[name], want.astype(res[name].dtype), err_msg=name)
+    return dict(sub.last_fetch_stats, remote=remote_bytes(store, sub, v, g, count, 1))
+
+
+def test_processes_sharing_a_slice_pull_it_once_every_version(harness):
+    """Two processes of a node fetch the same slice of 5 versions together: every
+    version crosses the network once (the second and later too, when each knows the
+    other wants it), and nothing goes straight into a result."""
+    t0, r0, _ = harness.start(3)
+    url, versions = url_of(harness), [1, 2, 3, 4, 5]
+    out, barrier, start = SPAWN.Queue(), SPAWN.Barrier(3), SPAWN.Barrier(2)
+    procs = [SPAWN.Process(target=trainer, args=(url, t0.name, 0, 1, versions, barrier, out))]
+    procs += [SPAWN.Process(target=rollout, args=(url, r0.name, 1, 3, 1, versions, barrier, out, start))
+              for _ in range(2)]
+    for p in procs:
+        p.start()
+    per_version: dict[int, list[dict]] = {}
+    for m in collect(out, procs):
+        if m[0] == "rollout" and len(m) == 5:
+            per_version.setdefault(m[3], []).append(m[4])
+    assert sorted(per_version) == versions
+    for v, sts in per_version.items():
+        remote = sts[0]["remote"]
+        assert len(sts) == 2 and sts[1]["remote"] == remote
+        assert sum(s["bytes_network"] for s in sts) == remote, (v, sts)     # once per node
+        assert sum(s["bytes_node_cache"] for s in sts) == remote, (v, sts)  # the other's, in place
+        assert all(s["bytes_direct"] == 0 for s in sts), (v, sts)            # landed: shared
+    assert sum(per_version[v][0]["remote"] for v in versions[1:]) > 0      # (parts did travel)
+
+
+def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
+    """After its first fetch, a subscriber alone on its node receives its spans
+    straight into the results (in the stored dtype, cast after when asked), or
+    privately into memory of its own for ``into=``; nothing lands in the node's arena."""
+    t0, r0, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        v = _publish_remote(pub, rs, sub, 1)
+        st = _fetch(rs, sub, v, 2)
+        assert st["bytes_direct"] == 0 and st["bytes_network"] == st["remote"] > 0   # first: landed
+        landed = list(rs.node_store.keys(prefix="__node__/rl/policy/"))
+        assert landed
+        for kw in ({}, {"dtype": np.float64}):
+            v = _publish_remote(pub, rs, sub, v)
+            st = _fetch(rs, sub, v, 2, **kw)
+            assert st["bytes_direct"] == st["bytes_network"] == st["remote"] > 0, st
+            assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
+        # into= destinations: received privately, then copied (nothing landed either)
+        v = _publish_remote(pub, rs, sub, v)
+        into = {n: np.empty_like(expected_slice(n, v, 2, 3)) for n in SHAPES}
+        st = _fetch(rs, sub, v, 2, into=into)
+        assert st["bytes_direct"] == 0 and st["bytes_network"] == st["remote"] > 0, st
+        for name in SHAPES:
+            np.testing.assert_array_equal(into[name], expected_slice(name, v, 2, 3))
+        assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
+
+
+def test_a_subscriber_that_waits_makes_the_others_land_its_first_version(harness):
+    """A joins first and fetches alone (straight into its results); B then waits: A's
+    next fetch lands everything, so B reads that version from the node's arena."""
+    t0, r0, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, a = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert a.wait(timeout=10) == 1
+        _fetch(rs, a, 1, 0)                                   # A's first fetch
+        v = _publish_remote(pub, rs, a, 1)
+        st = _fetch(rs, a, v, 0)
+        assert st["bytes_direct"] == st["bytes_network"] == st["remote"] > 0, st    # alone: straight in
+        b = WeightSubscriber(rs, "policy")
+        assert b.wait(newer_than=1, timeout=10) == v          # B is there, wanting everything
+        v = _publish_remote(pub, rs, a, v)
+        sa, sb = _fetch(rs, a, v, 0), _fetch(rs, b, v, 0)
+        assert sa["bytes_direct"] == 0 and sa["bytes_network"] == sa["remote"] > 0, sa
+        assert sb["bytes_network"] == 0 and sb["bytes_node_cache"] == sa["remote"], sb
+        # B moves to another slice: what each pulls, the other now does not want
+        v = _publish_remote(pub, rs, a, v)
+        sb = _fetch(rs, b, v, 1)
+        sa = _fetch(rs, a, v, 0)
+        assert sa["bytes_direct"] == sa["bytes_network"] == sa["remote"] > 0, sa
+        assert sb["bytes_direct"] == sb["bytes_network"] == sb["remote"] > 0, sb
+
+
+def _waiter(url, node, ready):
+    with open_store(url, node) as s:
+        sub = WeightSubscriber(s, "policy")
+        sub.wait(timeout=30)
+        ready.set()
+        signal.pause()                    # (holding sub: its record goes when it is collected)
+
+
+def test_a_dead_subscribers_record_stops_counting(harness):
+    """Another process's subscriber waits (wanting everything): ours lands. It is
+    SIGKILLed: its record is dropped at our next fetch, which goes straight in."""
+    t0, r0, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        _fetch(rs, sub, 1, 0)                                 # (the first fetch lands anyway)
+        ready = SPAWN.Event()
+        other = SPAWN.Process(target=_waiter, args=(url, r0.name, ready))
+        other.start()
+        try:
+            assert ready.wait(60)
+            records = list(rs.node_store.keys(prefix=WANTS))
+            assert len(records) == 2
+            v = _publish_remote(pub, rs, sub, 1)
+            st = _fetch(rs, sub, v, 0)
+            assert st["bytes_direct"] == 0 and st["bytes_network"] > 0     # it is alive: land
+            os.kill(other.pid, signal.SIGKILL)
+            other.join(10)
+        finally:
+            other.kill()
+        v = _publish_remote(pub, rs, sub, v)
+        st = _fetch(rs, sub, v, 0)
+        assert st["bytes_direct"] == st["bytes_network"] > 0, st          # dead: straight in
+        wait_for(lambda: len(list(rs.node_store.keys(prefix=WANTS))) == 1, 5, "the dead record dropped")
