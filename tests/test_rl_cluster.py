@@ -415,6 +415,19 @@ def test_bf16_torch_weights_cross_nodes_and_members_never_import_torch(harness):
         assert res["w"].dtype == torch.bfloat16
         assert torch.equal(res["w"], full.to(torch.bfloat16)[:, 32:48])
         assert torch.equal(res["b"], full[0].to(torch.bfloat16)[:24])
+        direct = 0
+        # later versions: received straight into the result tensors (nobody else wants them),
+        # cast after when asked
+        for v in (4, 5, 6, 7):
+            pub.publish({"w": full + v, "b": full[0] + v}, version=v, dtype=torch.bfloat16)
+            assert sub.wait(newer_than=v - 1, timeout=10) == v
+            res = sub.fetch(v, layout={"w": Shard(1, 2, 3), "b": Shard(0, 0, 2)},
+                            dtype=torch.float32 if v % 2 else None)
+            assert res["w"].dtype == (torch.float32 if v % 2 else torch.bfloat16)
+            assert torch.equal(res["w"], (full + v).to(torch.bfloat16)[:, 32:48].to(res["w"].dtype))
+            assert torch.equal(res["b"], (full[0] + v).to(torch.bfloat16)[:24].to(res["b"].dtype))
+            direct += sub.last_fetch_stats["bytes_direct"]
+        assert direct > 0                        # (2 parts on 3 nodes: some were remote)
         # the members stored and served tensors' bytes without loading torch (seconds each)
         for node in (t0, r0, x):
             maps = open(f"/proc/{node.proc.pid}/maps").read()

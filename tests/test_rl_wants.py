@@ -13,12 +13,19 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import wait_for  # noqa: E402
-from test_rl_cluster import (SHAPES, SPAWN, collect, expected_slice, harness, open_store,  # noqa: E402,F401
+from cluster_util import ClusterHarness, wait_for  # noqa: E402
+from test_rl_cluster import (SHAPES, SPAWN, collect, expected_slice, open_store, reference,  # noqa: E402
                              remote_bytes, rollout, rollout_layout, trainer, trainer_state, url_of)
 
-from yrcache.rl import WeightPublisher, WeightSubscriber  # noqa: E402
+from yrcache.rl import Shard, WeightPublisher, WeightSubscriber  # noqa: E402
 from yrcache.rl.wants import WANTS  # noqa: E402
+
+
+@pytest.fixture
+def harness(etcd, tmp_path):
+    h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="1")
+    yield h
+    h.close()
 
 
 def _publish_remote(pub, rs, sub, after: int) -> int:
@@ -160,3 +167,26 @@ def test_a_dead_subscribers_record_stops_counting(harness):
         st = _fetch(rs, sub, v, 0)
         assert st["bytes_direct"] == st["bytes_network"] > 0, st          # dead: straight in
         wait_for(lambda: len(list(rs.node_store.keys(prefix=WANTS))) == 1, 5, "the dead record dropped")
+
+
+def test_parts_that_are_not_one_run_of_the_result_are_copied_after(harness):
+    """Column blocks (two ranks' ``Shard(1)`` parts) of whole tensors: each part's
+    rows are strided in the result, so they are received privately and copied into
+    place, never straight in (which would be wrong bytes)."""
+    t0, r0, _ = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pubs = [WeightPublisher(ts, "policy", rank=r, world=2) for r in range(2)]
+        sub = WeightSubscriber(rs, "policy")
+        for v in (1, 2, 3, 4):
+            for r, pub in enumerate(pubs):
+                state = {n: np.array_split(reference(n, v), 2, axis=1)[r] for n in ("a", "b")}
+                if r == 0:
+                    state["bias"] = reference("bias", v)
+                pub.publish(state, v, layout={n: Shard(1, r, 2) for n in ("a", "b")})
+            assert sub.wait(newer_than=v - 1 if v > 1 else None, timeout=10) == v
+            res = sub.fetch(v)
+            for name in SHAPES:
+                np.testing.assert_array_equal(res[name], reference(name, v), err_msg=(name, v))
+            st = sub.last_fetch_stats
+            assert st["bytes_direct"] <= 30 * 4 and st["bytes_node_cache"] == 0, st   # "bias" at most

@@ -211,7 +211,7 @@ class WeightSubscriber:
         self._whole: tuple[bytes, dict, _Compiled, list[str]] | None = None
         self._remote = is_remote(store)             # parts on other machines (a cluster store)
         # which spans this subscriber pulls, recorded for its node's other processes
-        self._wants = Wants(store.node_store if self._remote else None, name)
+        self._wants = Wants(getattr(store, "node_store", None), name)
 
     def __reduce__(self):
         return (WeightSubscriber, (self.store, self.name))
