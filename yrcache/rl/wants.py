@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .. import node_locks
+from ..errors import StoreFullError
 
 WANTS = "__node__/rl-wants/"      # + weight set name + "/" + subscriber id (32 hex digits)
 _ALL = 1                          # flag: wants everything (waited, not fetched yet)
@@ -55,7 +56,10 @@ class Wants:
             self.presence = node_locks.hold_presence(self.node.name)
             weakref.finalize(self, _forget, self.node, self.key, self.presence, os.getpid())
         head = self.presence.to_bytes(8, "little") + bytes([flags])
-        self.node.put(self.key, np.frombuffer(head + b"".join(sorted(set(ids))), np.uint8))
+        try:
+            self.node.put(self.key, np.frombuffer(head + b"".join(sorted(set(ids))), np.uint8))
+        except (StoreFullError, MemoryError):
+            pass                       # no room: the others land less for us (bytes, not errors)
 
     def present(self) -> None:
         """Before a first fetch (``wait``): record that this subscriber wants everything."""
