@@ -78,7 +78,9 @@ the run with exit status 1):
    0.5% for every (node, version)).  An info row gives network bytes over all
    the bytes they need (below 1 where the node holds some parts itself) next to
    the gloo baseline's bytes received over needed (each process receives the
-   whole bf16 model).
+   whole bf16 model); another the share of the pulled bytes received straight
+   into the result tensors (``bytes_direct``: spans no other process of the
+   node pulled last time, so after each process's first version all of them).
 3. Publish -> wake across nodes: trainer rank 0 publishes a 4 KiB fp32 tensor
    (weight set "latency", world=1) every ``--latency-interval-ms`` (50) ms,
    ``--latency-n`` times (50; 20 with ``--quick``) after 5 untimed ones; each of
@@ -900,6 +902,11 @@ def build_rows(cfg: Config, res: dict) -> list[dict]:
         if cache:
             row("bytes served from the node's shared cache, per rollout proc and version (info)",
                 f"median {fmt_bytes(med(cache))}, max {fmt_bytes(max(cache))}", "-", None)
+        net = sum(int(x["fetch"].get("bytes_network", 0)) for r in Y for x in r["rollouts"])
+        if net:
+            direct = sum(int(x["fetch"].get("bytes_direct", 0)) for r in Y for x in r["rollouts"])
+            row("bytes received straight into the result tensors / bytes pulled, 8 rollouts (info)",
+                f"{direct / net:.3f}", "-", None)
         copied = sum(int(x["fetch"].get("bytes_copied", 0)) for r in Y for x in r["rollouts"])
         needed = sum(int(x["fetch"].get("bytes_needed", 0)) for r in Y for x in r["rollouts"])
         if needed:
