@@ -252,6 +252,21 @@ def test_start_without_etcd_raises(tmp_path: Path) -> None:
     m.close()
 
 
+def test_start_waits_a_moment_for_an_etcd_that_is_coming_up(tmp_path: Path) -> None:
+    """A node started just before etcd answers (or while it refuses a connect) joins."""
+    server = Etcd(tmp_path / "etcd-data")
+    starter = threading.Timer(0.3, server.start)
+    m = Membership(server.endpoint, "c1", "a", "x:1", ttl=TTL)
+    starter.start()
+    try:
+        m.start()                  # refused at first: nothing listens for 0.3 s
+        assert "a" in m.members()
+    finally:
+        starter.join()
+        m.close()
+        server.kill()
+
+
 @pytest.mark.parametrize("bad", ["", "a/b", "x" * 129, "a b", "a\x00", 3])
 def test_bad_names_rejected(bad: Any) -> None:
     with pytest.raises((TypeError, ValueError)):

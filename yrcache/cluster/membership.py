@@ -55,6 +55,7 @@ def _pyetcd() -> Any:
 MAX_NAME_LEN = 128
 _LOG_EVERY_S = 5.0
 _MAX_BACKOFF_S = 0.5
+START_S = 2.0          # start() tries etcd this long (a connect refused once by a busy etcd)
 
 OnChange = Callable[[dict[str, "MemberInfo"]], None]
 
@@ -161,22 +162,28 @@ class Membership:
         """Connect, register (unless ``register=False``), list the members, start threads.
 
         Raises :class:`~yrcache.errors.ClusterUnavailableError` if etcd does not
-        answer now; nothing is left running then.
+        answer within ``START_S`` seconds; nothing is left running then.
         """
         if self._state != "new":
             raise RuntimeError(f"Membership {self.member_id!r} was already started")
         self._client = self._make_client()
-        try:
-            if self.register:
-                self._register()
-            self._list()
-        except Exception as exc:
-            self._client.close()
-            self._state = "closed"
-            where = ",".join(f"{h}:{p}" for h, p in self._endpoints)
-            raise ClusterUnavailableError(
-                f"etcd at {where} did not answer ({exc!r}); start etcd there "
-                "or fix the endpoints") from exc
+        deadline = time.monotonic() + START_S
+        while True:
+            try:
+                if self.register:
+                    self._register()
+                self._list()
+                break
+            except Exception as exc:
+                if time.monotonic() < deadline:     # one refused connect (etcd busy): again
+                    time.sleep(0.25)
+                    continue
+                self._client.close()
+                self._state = "closed"
+                where = ",".join(f"{h}:{p}" for h, p in self._endpoints)
+                raise ClusterUnavailableError(
+                    f"etcd at {where} did not answer for {START_S:g} s ({exc!r}); start etcd "
+                    "there or fix the endpoints") from exc
         self._state = "running"
         targets = [self._watch_loop] + ([self._keepalive_loop] if self.register else [])
         for target in targets:
