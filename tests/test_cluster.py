@@ -671,23 +671,24 @@ def test_an_unreachable_owner_is_retried_quietly_and_a_second_sigterm_ends_the_h
 
 def test_none_mode_keeps_one_copy_through_a_join(etcd, tmp_path):
     harness = ClusterHarness(etcd, tmp_path, YRCACHE_REPAIR_S="1")     # rebalancing passes every second
-    harness.start(2)
-    with harness, harness.client(replicas=2) as c:
-        harness.wait_members(c, 2)
-        for i in range(100):
-            c.put(f"n{i}", value(i), write_mode="none")
-        assert all(v == 1 for v in harness.copies().values())
-        harness.start(1)
-        harness.wait_members(c, 3)
+    with harness:
+        harness.start(2)
+        with harness.client(replicas=2) as c:
+            harness.wait_members(c, 2)
+            for i in range(100):
+                c.put(f"n{i}", value(i), write_mode="none")
+            assert all(v == 1 for v in harness.copies().values())
+            harness.start(1)
+            harness.wait_members(c, 3)
 
-        def moved() -> bool:
-            held = {nd.member_id: nd.keys() for nd in harness.live()}
-            return all([m for m, ks in held.items() if f"n{i}" in ks] == c._router.owners(f"n{i}", 1)
-                       for i in range(100))
-        wait_for(moved, 20, "each NONE object on its one new owner")
-        time.sleep(2.5)                     # more passes, on the new owner too: still one copy each
-        assert moved()
-        assert all(int(c[f"n{i}"][0]) == i for i in range(100))
+            def moved() -> bool:
+                held = {nd.member_id: nd.keys() for nd in harness.live()}
+                return all([m for m, ks in held.items() if f"n{i}" in ks] == c._router.owners(f"n{i}", 1)
+                           for i in range(100))
+            wait_for(moved, 20, "each NONE object on its one new owner")
+            time.sleep(2.5)                     # more passes, on the new owner too: still one copy each
+            assert moved()
+            assert all(int(c[f"n{i}"][0]) == i for i in range(100))
 
 
 def test_a_restarted_member_does_not_bring_back_deleted_keys(harness):
@@ -899,10 +900,12 @@ def three_members(tmp_path_factory):
     server = Etcd(tmp / "etcd-data")
     server.start()
     h = ClusterHarness(server, tmp)
-    h.start(3)
-    yield h
-    h.close()
-    server.kill()
+    try:
+        h.start(3)
+        yield h
+    finally:                       # (also when a node fails to start: no member left behind)
+        h.close()
+        server.kill()
 
 
 class TestClusterStore(StoreSuite):
