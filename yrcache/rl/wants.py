@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import uuid
 import weakref
 from typing import Any
@@ -50,11 +51,13 @@ class Wants:
         self.key = self.prefix + uuid.uuid4().hex
         self.presence = -1             # the byte this subscriber holds locked while alive
         self.fetched = False
+        self._lock = threading.Lock()  # (a subscriber may be shared by threads)
 
     def _record(self, flags: int, ids: list[bytes]) -> None:
-        if self.presence < 0:
-            self.presence = node_locks.hold_presence(self.node.name)
-            weakref.finalize(self, _forget, self.node, self.key, self.presence, os.getpid())
+        with self._lock:
+            if self.presence < 0:
+                self.presence = node_locks.hold_presence(self.node.name)
+                weakref.finalize(self, _forget, self.node, self.key, self.presence, os.getpid())
         head = self.presence.to_bytes(8, "little") + bytes([flags])
         try:
             self.node.put(self.key, np.frombuffer(head + b"".join(sorted(set(ids))), np.uint8))
