@@ -90,8 +90,9 @@ def test_processes_sharing_a_slice_pull_it_once_every_version(harness):
 
 def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
     """After its first fetch, a subscriber alone on its node receives its spans
-    straight into the results (in the stored dtype, cast after when asked), or
-    privately into memory of its own for ``into=``; nothing lands in the node's arena."""
+    straight into the results (in the stored dtype, cast after when asked) and into
+    ``into=`` arrays of the stored dtype, privately then copied into other ``into=``
+    arrays; nothing lands in the node's arena."""
     with _first_version(harness) as (pub, rs, sub, _url):
         v = _publish_remote(pub, rs, sub, 1)
         st = _fetch(rs, sub, v, 2)
@@ -103,14 +104,25 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
             st = _fetch(rs, sub, v, 2, **kw)
             assert st["bytes_direct"] == st["bytes_network"] == st["remote"] > 0, st
             assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
-        # into= destinations: received privately, then copied (nothing landed either)
-        v = _publish_remote(pub, rs, sub, v)
-        into = {n: np.empty_like(expected_slice(n, v, 2, 3)) for n in SHAPES}
-        st = _fetch(rs, sub, v, 2, into=into)
-        assert st["bytes_direct"] == 0 and st["bytes_network"] == st["remote"] > 0, st
-        for name in SHAPES:
-            np.testing.assert_array_equal(into[name], expected_slice(name, v, 2, 3))
-        assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
+        # into= destinations in the stored dtype take the bytes straight in too; in another
+        # dtype, or not contiguous, they are received privately, then copied (nothing landed)
+        for dt, straight in ((np.float32, True), (np.float64, False), (None, False)):
+            v = _publish_remote(pub, rs, sub, v)
+            if dt is None:                                    # strided destinations
+                into = {n: np.empty_like(expected_slice(n, v, 2, 3).T).T for n in SHAPES}
+                into["bias"] = np.empty(2 * expected_slice("bias", v, 2, 3).size, np.float32)[::2]
+            else:
+                into = {n: np.empty(expected_slice(n, v, 2, 3).shape, dt) for n in SHAPES}
+            if dt is None:
+                with pytest.raises(ValueError, match="contiguous"):
+                    sub.fetch(v, layout=rollout_layout(2, 3), into=into)
+                continue
+            st = _fetch(rs, sub, v, 2, into=into)
+            assert st["bytes_network"] == st["remote"] > 0, st
+            assert st["bytes_direct"] == (st["bytes_network"] if straight else 0), (dt, st)
+            for name in SHAPES:
+                np.testing.assert_array_equal(into[name], expected_slice(name, v, 2, 3))
+            assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
 
 
 def test_a_subscriber_that_waits_makes_the_others_land_its_first_version(harness):

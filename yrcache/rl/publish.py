@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["WeightPublisher"]
 
-PROGRESS_MIN_BYTES = 256 << 20   # show a progress bar for fetches at least this big (on a tty)
 BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -22,6 +21,7 @@ from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _tor
 from ..types import Array, DType
 from .remote import PartsUnavailable, direct_slots, drop_older, fetch_parts, is_remote, plan_spans
 from .reshard import Fused, Shard, _Plan, _compile, _run_plan, plan_fused, plan_shard
+from .staging import _progress, _Stager
 from .wants import Wants, span_ids
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["WeightSubscriber"]
 
 PREFAULT_MIN_BYTES = 1 << 20      # map the pages a fetch reads first when it reads this much
-PROGRESS_MIN_BYTES = 256 << 20   # show a progress bar for fetches at least this big (on a tty)
 BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
 
 
@@ -106,65 +105,6 @@ def _src_bytes(view: Any) -> np.ndarray:
     if view.numel() == 0:
         return np.empty(0, np.uint8)
     return view.reshape(-1).view(_torch().uint8).numpy()
-
-
-class _NoBar:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        pass
-
-    def update(self, n: int) -> None:
-        pass
-
-
-_NO_BAR = _NoBar()
-
-
-def _progress(total: int, name: str, version: int):
-    """A progress bar for a big fetch on a terminal; nothing (not even the import) otherwise."""
-    if total < PROGRESS_MIN_BYTES or not sys.stderr.isatty():
-        return _NO_BAR
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=f"{name} v{version}")
-
-
-class _Stager:
-    """Host staging buckets for destinations that cannot be written in place (a device
-    tensor, or a dtype other than the stored one).  For device destinations the bucket is
-    pinned and copies run asynchronously; a bucket is reused only after a synchronize."""
-
-    def __init__(self, bucket: int, pin: bool, buf=None):
-        self.bucket, self.pin, self.used = bucket, pin, 0
-        self.pending: set[Any] = set()    # devices with copies in flight
-        self.buf = buf if buf is not None and buf.numel() >= bucket else None
-
-    def take(self, nbytes: int):
-        torch = _torch()
-        need = -(-nbytes // 64) * 64                  # keep every slice 64-byte aligned
-        if need > self.bucket:
-            return torch.empty(nbytes, dtype=torch.uint8)   # one-off; copies from it are synchronous
-        if self.used + need > self.bucket:
-            self.flush()
-        if self.buf is None:
-            self.buf = torch.empty(self.bucket, dtype=torch.uint8, pin_memory=self.pin)
-        out = self.buf[self.used:self.used + nbytes]
-        self.used += need
-        return out
-
-    def copy(self, staged, dst) -> None:
-        if dst.device.type == "cuda" and self.pin and staged.is_pinned():
-            dst.copy_(staged, non_blocking=True)   # async H2D (+ cast on the device)
-            self.pending.add(dst.device)
-        else:
-            dst.copy_(staged)
-
-    def flush(self) -> None:
-        for dev in self.pending:
-            _torch().cuda.synchronize(dev)
-        self.pending, self.used = set(), 0
 
 
 class WeightSubscriber:
@@ -441,7 +381,7 @@ class WeightSubscriber:
                              f"{sorted(c.names)[:20]})")
         targets, net, pre = c.targets, {}, {}
         if self._remote:                               # parts on other machines: ranged reads
-            targets, bufs, net, pre = self._fetch_remote(c, version, marker, keys, into)
+            targets, bufs, net, pre = self._fetch_remote(c, version, marker, keys, into, dtype)
         else:
             decoded = _reads_decoded(c, plain)
             if views is None:                          # one atomic, pinned snapshot
@@ -491,17 +431,20 @@ class WeightSubscriber:
             "seconds": time.perf_counter() - t0, **net}
         return out
 
-    def _fetch_remote(self, c: _Compiled, version: int, marker: dict, keys: list[str], into: dict) -> tuple:
+    def _fetch_remote(self, c: _Compiled, version: int, marker: dict, keys: list[str], into: dict,
+                      dtype: Any) -> tuple:
         """The parts over a cluster store: only the spans the plans read (pulled once per
         node); the targets' plans rewritten to read the packed spans. Results without
         ``into`` are made first: a part no other process of the node wants is received
-        straight into its result where it is one run of it (its ops then dropped)."""
+        straight into its result (or its ``into`` destination, when that takes the stored
+        bytes as they are) where it is one run of it (its ops then dropped)."""
         spans, remapped = plan_spans(c.targets, len(keys))
         placement = marker.get("placement") or []
         prefer = [list(placement[r].get(t, ())) if r < len(placement) else [] for t, r in c.refs]
         pre = {t.name: _new_result(t) for t in c.targets if t.name not in into}
-        direct = direct_slots(c.targets, remapped, len(keys),
-                              [codec.as_bytes_view(pre[t.name]) if t.name in pre else None for t in c.targets])
+        direct = direct_slots(c.targets, remapped, len(keys), [
+            codec.as_bytes_view(pre[t.name]) if t.name in pre else _as_stored(t, into[t.name], dtype)
+            for t in c.targets])
         private = self._wants.private(span_ids(self.name, c.refs, spans))
         try:
             bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer, private, direct)
@@ -576,6 +519,19 @@ def _new_result(t: _Target) -> Any:
         torch = _torch()
         return buffers.empty_tensor(torch, getattr(torch, t.dtype), t.shape)
     return buffers.empty_array(t.dtype, t.shape)
+
+
+def _as_stored(t: _Target, dst: Any, dtype: Any) -> Any:
+    """An ``into=`` destination as flat bytes when it takes target ``t``'s stored bytes as
+    they are (host memory, ``t``'s shape and stored dtype, contiguous, writable); else None."""
+    if dtype is not None or tuple(getattr(dst, "shape", ())) != tuple(t.shape):
+        return None
+    if codec.is_tensor(dst):
+        ok = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == _stored_torch_dtype(t)
+    else:
+        ok = isinstance(dst, np.ndarray) and dst.flags.c_contiguous and dst.flags.writeable \
+            and dst.dtype == _stored_numpy_dtype(t)
+    return codec.as_bytes_view(dst) if ok else None
 
 
 def _stored_torch_dtype(t: _Target):
