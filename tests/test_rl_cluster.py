@@ -427,6 +427,15 @@ def test_bf16_torch_weights_cross_nodes_and_members_never_import_torch(harness):
             assert torch.equal(res["w"], (full + v).to(torch.bfloat16)[:, 32:48].to(res["w"].dtype))
             assert torch.equal(res["b"], (full[0] + v).to(torch.bfloat16)[:24].to(res["b"].dtype))
             direct += sub.last_fetch_stats["bytes_direct"]
+        # into= CPU tensors of the stored dtype take the bytes straight in too
+        into = {"w": torch.empty(64, 16, dtype=torch.bfloat16), "b": torch.empty(24, dtype=torch.bfloat16)}
+        for v in (8, 9):
+            pub.publish({"w": full + v, "b": full[0] + v}, version=v, dtype=torch.bfloat16)
+            assert sub.wait(newer_than=v - 1, timeout=10) == v
+            res = sub.fetch(v, layout={"w": Shard(1, 2, 3), "b": Shard(0, 0, 2)}, into=into)
+            assert res["w"] is into["w"] and torch.equal(into["w"], (full + v).to(torch.bfloat16)[:, 32:48])
+            assert torch.equal(into["b"], (full[0] + v).to(torch.bfloat16)[:24])
+            direct += sub.last_fetch_stats["bytes_direct"]
         assert direct > 0                        # (2 parts on 3 nodes: some were remote)
         # the members stored and served tensors' bytes without loading torch (seconds each)
         for node in (t0, r0, x):

@@ -119,7 +119,8 @@ class WeightSubscriber:
     (parts this node holds), which add up to ``bytes_needed``, and
     ``bytes_direct``: of ``bytes_network``, those received straight into the
     results (spans no other process of the node pulled last time, where they
-    are one run of a result made by this fetch: no copy after the socket).  A subscriber
+    are one run of a new result or of a host ``into`` destination of the stored
+    dtype: no copy after the socket).  A subscriber
     pickles as its store's name and its weight set's name.
 
     Examples:
