@@ -113,9 +113,12 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
                 into["bias"] = np.empty(2 * expected_slice("bias", v, 2, 3).size, np.float32)[::2]
             else:
                 into = {n: np.empty(expected_slice(n, v, 2, 3).shape, dt) for n in SHAPES}
-            if dt is None:
+            if dt is None:                          # refused before any part is pulled
+                marker = len(bytes(rs.get(sub.board.complete_key(v))))
+                before = rs.received_bytes
                 with pytest.raises(ValueError, match="contiguous"):
                     sub.fetch(v, layout=rollout_layout(2, 3), into=into)
+                assert rs.received_bytes - before == marker          # (it read the marker only)
                 continue
             st = _fetch(rs, sub, v, 2, into=into)
             assert st["bytes_network"] == st["remote"] > 0, st

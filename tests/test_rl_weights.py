@@ -193,6 +193,11 @@ def test_fetch_into(make_store):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(4, 8).t()})
     with pytest.raises(ValueError, match="conflicts"):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
+    # every destination is checked before any is written: "w" stays untouched
+    w = torch.zeros(8, 4)
+    with pytest.raises(ValueError, match=r"into\['h'\] has shape"):
+        sub.fetch(1, layout=lay, into={"w": w, "h": torch.zeros(8, 5)})
+    assert not w.any()
 
 
 def test_large_results_reuse_pooled_pages_and_stay_private(make_store):

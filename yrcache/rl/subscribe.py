@@ -380,6 +380,9 @@ class WeightSubscriber:
         if extra:
             raise ValueError(f"into names {extra}, which this fetch does not return (it returns "
                              f"{sorted(c.names)[:20]})")
+        for t in c.targets:                            # every destination, before anything is read
+            if t.name in into:
+                _check_into(t, into[t.name], dtype)
         targets, net, pre = c.targets, {}, {}
         if self._remote:                               # parts on other machines: ranged reads
             targets, bufs, net, pre = self._fetch_remote(c, version, marker, keys, into, dtype)
@@ -477,18 +480,8 @@ class WeightSubscriber:
             if want is None or want == res.dtype:
                 return res
             return res.to(want) if t.kind == "torch" else res.astype(want)
-        # ---- into=
+        # ---- into= (checked by _check_into before anything was read)
         is_t = codec.is_tensor(dst)
-        if not is_t and not isinstance(dst, np.ndarray):
-            raise TypeError(f"into[{t.name!r}] must be a torch tensor or numpy array, not {type(dst).__name__}")
-        if tuple(dst.shape) != tuple(t.shape):
-            raise ValueError(f"into[{t.name!r}] has shape {tuple(dst.shape)}, but the fetched slice has "
-                             f"shape {tuple(t.shape)}")
-        if not (dst.is_contiguous() if is_t else dst.flags.c_contiguous and dst.flags.writeable):
-            raise ValueError(f"into[{t.name!r}] must be contiguous and writable")
-        if want is not None and (_torch_dtype(want) if is_t else _numpy_dtype(want)) != dst.dtype:
-            raise ValueError(f"fetch(dtype={dtype}) conflicts with into[{t.name!r}].dtype={dst.dtype}; "
-                             "into tensors receive their own dtype (drop dtype= or match it)")
         same = dst.dtype == (_stored_torch_dtype(t) if is_t else _stored_numpy_dtype(t))
         if same and (not is_t or dst.device.type == "cpu"):   # straight into the destination
             _run_plan(t.plan, srcs, codec.as_bytes_view(dst))
@@ -520,6 +513,23 @@ def _new_result(t: _Target) -> Any:
         torch = _torch()
         return buffers.empty_tensor(torch, getattr(torch, t.dtype), t.shape)
     return buffers.empty_array(t.dtype, t.shape)
+
+
+def _check_into(t: _Target, dst: Any, dtype: Any) -> None:
+    """Refuse an ``into=`` destination that cannot take target ``t``."""
+    is_t = codec.is_tensor(dst)
+    if not is_t and not isinstance(dst, np.ndarray):
+        raise TypeError(f"into[{t.name!r}] must be a torch tensor or numpy array, not {type(dst).__name__}")
+    if tuple(dst.shape) != tuple(t.shape):
+        raise ValueError(f"into[{t.name!r}] has shape {tuple(dst.shape)}, but the fetched slice has "
+                         f"shape {tuple(t.shape)}")
+    if not (dst.is_contiguous() if is_t else dst.flags.c_contiguous and dst.flags.writeable):
+        raise ValueError(f"into[{t.name!r}] must be contiguous and writable")
+    if dtype is not None and t.floating:
+        want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
+        if (_torch_dtype(want) if is_t else _numpy_dtype(want)) != dst.dtype:
+            raise ValueError(f"fetch(dtype={dtype}) conflicts with into[{t.name!r}].dtype={dst.dtype}; "
+                             "into tensors receive their own dtype (drop dtype= or match it)")
 
 
 def _as_stored(t: _Target, dst: Any, dtype: Any) -> Any:
