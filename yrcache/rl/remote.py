@@ -123,7 +123,8 @@ def fetch_parts(store: Any, name: str, version: int, keys: list[str], spans: lis
     ``direct``. Raises ``PartsUnavailable`` for a part no live member holds.
     """
     node, n = store.node_store, len(keys)
-    private = [node is None] * n if private is None or node is None else private
+    if private is None or node is None:            # (a pure client has no node to share with)
+        private = [node is None] * n
     direct = direct or [None] * n
     pulls = [_Pull(i, k, sp, pf, direct[i] if private[i] else None)
              for i, (k, sp, pf) in enumerate(zip(keys, spans, prefer))]
