@@ -108,18 +108,16 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
         # dtype, or not contiguous, they are received privately, then copied (nothing landed)
         for dt, straight in ((np.float32, True), (np.float64, False), (None, False)):
             v = _publish_remote(pub, rs, sub, v)
-            if dt is None:                                    # strided destinations
+            if dt is None:                  # strided destinations: refused before any part is pulled
                 into = {n: np.empty_like(expected_slice(n, v, 2, 3).T).T for n in SHAPES}
                 into["bias"] = np.empty(2 * expected_slice("bias", v, 2, 3).size, np.float32)[::2]
-            else:
-                into = {n: np.empty(expected_slice(n, v, 2, 3).shape, dt) for n in SHAPES}
-            if dt is None:                          # refused before any part is pulled
                 marker = len(bytes(rs.get(sub.board.complete_key(v))))
                 before = rs.received_bytes
                 with pytest.raises(ValueError, match="contiguous"):
                     sub.fetch(v, layout=rollout_layout(2, 3), into=into)
-                assert rs.received_bytes - before == marker          # (it read the marker only)
+                assert rs.received_bytes - before <= marker  # the marker at most (0: this node holds it)
                 continue
+            into = {n: np.empty(expected_slice(n, v, 2, 3).shape, dt) for n in SHAPES}
             st = _fetch(rs, sub, v, 2, into=into)
             assert st["bytes_network"] == st["remote"] > 0, st
             assert st["bytes_direct"] == (st["bytes_network"] if straight else 0), (dt, st)
