@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import ClusterHarness, wait_for  # noqa: E402
+from cluster_util import TTL, ClusterHarness, wait_for  # noqa: E402
 
 from yrcache import TieredStore  # noqa: E402
 from yrcache.errors import ClusterUnavailableError  # noqa: E402
@@ -249,6 +249,28 @@ def test_wake_crosses_nodes_and_the_record_lives_in_etcd(harness, etcd):
         assert time.monotonic() - t < 5 and sub.latest() == 2
 
 
+def test_a_subscriber_whose_member_died_says_why_and_hears_again_once_it_is_back(harness):
+    from cluster_util import NodeProc
+
+    t0, r0 = harness.start(2)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1 and rs.member_present is True
+        r0.sigkill()                       # the member that mirrors the records into r0's arena
+        wait_for(lambda: rs.member_present is False and r0.member_id not in ts._router.members, 15,
+                 "the dead member's lease expired")
+        assert pub.publish(trainer_state(0, 1, 2), version=2) is True
+        with pytest.raises(TimeoutError, match=f"member {r0.member_id} is not in the cluster"):
+            sub.wait(newer_than=1, timeout=0.5)
+        harness.nodes.append(NodeProc(harness.env, r0.name, harness.tmp))    # restarted: same name
+        assert sub.wait(newer_than=1, timeout=15) == 2 and rs.member_present is True
+        res = sub.fetch(2, layout=rollout_layout(0, 3))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 3))
+
+
 def test_etcd_restart_between_versions(harness, etcd):
     t0, r0, _ = harness.start(3)
     url = url_of(harness)
@@ -297,7 +319,10 @@ def test_a_trainer_node_dying_mid_publish_leaves_the_previous_version(tmp_path, 
 
 
 def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version_works(harness):
-    t0, r0, x1, x2 = harness.start(4)
+    t0, r0 = harness.start(2)
+    harness.env["YRCACHE_LEASE_TTL"] = "6"      # the victims: 4-6 s in the ring after they die
+    x1, x2 = harness.start(2)
+    harness.env["YRCACHE_LEASE_TTL"] = str(TTL)
     url = url_of(harness)
     with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
         pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
@@ -312,8 +337,18 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
         victim.sigkill()
         with pytest.raises((KeyError, ClusterUnavailableError), match="no live member|answered|died"):
             sub.fetch(1)                        # never wrong bytes
-        wait_for(lambda: victim.member_id not in rs._router.members, 15, "the dead member's lease expired")
-        pub.publish(trainer_state(0, 1, 2), version=2)
+        # The dead member owns some of version 2's parts and stays in the ring until its
+        # lease expires: a publish then waits for the member set to change and tries again.
+        v2 = {**trainer_state(0, 1, 2), **extra}
+        assert victim.member_id in {ts.owners(sub.board.part_key(2, 0, marker["nonces"][0], n))[0] for n in v2}
+        pub.settle_s = 0                        # no waiting: the dead owner fails it
+        with pytest.raises(ClusterUnavailableError, match="did not take the write|no owner answered"):
+            pub.publish(v2, version=2)
+        assert sub.latest() == 1 and victim.member_id in ts._router.members
+        pub.settle_s = 15
+        t = time.monotonic()
+        assert pub.publish(v2, version=2) is True
+        assert victim.member_id not in ts._router.members and time.monotonic() - t < 10
         assert sub.wait(newer_than=1, timeout=10) == 2
         res = sub.fetch(2, layout=rollout_layout(1, 2))
         for name in SHAPES:

@@ -113,6 +113,7 @@ class Router(RangedReads, FanOut):
         self._peers: dict[str, tp.Peer] = {}
         self._lock = threading.Lock()
         self.on_change: list[Callable[[], None]] = []
+        self.changes = 0                    # member-set changes seen (a member left, joined or restarted)
 
     def update(self, members: dict[str, MemberInfo]) -> None:
         with self._lock:
@@ -128,6 +129,7 @@ class Router(RangedReads, FanOut):
                     p.close()
                     del self._peers[mid]
         if {m: i.epoch for m, i in members.items()} != old:     # a member restarted counts too
+            self.changes += 1
             if set(members) != set(old):
                 log.info("members: %s", ", ".join(sorted(members)) or "none")
             for cb in self.on_change:

@@ -75,6 +75,22 @@ class NodeSharing:
         return w
 
     @property
+    def member_changes(self) -> int:
+        """How many changes of the member set this process has seen (a member left, joined
+        or restarted): an operation that failed because a member did not answer may work
+        once this moves (a dead member leaves the ring ``lease_ttl`` seconds after it died)."""
+        return self._router.changes
+
+    @property
+    def member_present(self) -> bool | None:
+        """Whether the member serving this node's arena is in the ring now, as this process
+        sees it (None for a pure client). While it is not, the node's processes hear of no
+        new ``yrcache.rl`` version (the member mirrors the records into the arena)."""
+        if self._local is None:
+            return None
+        return self._router.member_id in self._router.members
+
+    @property
     def node_store(self) -> TieredStore | None:
         """This machine's arena as an embedded store (None for a pure client): what is put
         there stays on this node, unreplicated and unversioned, for the node's processes

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .. import codec
+from ..errors import ClusterUnavailableError
 from .remote import pool
 from .board import FORMAT, VersionBoard, encode_structure, merge_manifests
 from ..types import Array, DType
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 __all__ = ["WeightPublisher"]
 
 BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
+SETTLE_TTLS = 2.0                # WeightPublisher.settle_s by default: lease TTLs (and 1 s)
+SETTLE_POLL_S = 0.05
 
 
 def _torch():
@@ -162,7 +165,9 @@ class WeightPublisher:
     ``keep`` newest complete versions stay readable; older ones are retired
     when a newer version completes (give every rank the same ``keep``).
     ``store`` is any handle of the store (``TieredStore.attach`` in each
-    trainer process).
+    trainer process). Over a cluster store, a publish that finds a member dead
+    but still in the ring (its lease not yet expired) waits for the member set
+    to change and writes again, for up to ``settle_s`` seconds.
 
     Examples:
         >>> import numpy as np
@@ -192,6 +197,10 @@ class WeightPublisher:
         self._woke_nobody = False        # a version completed here, its waiters not woken yet
         self._structures: dict[tuple, bytes] = {}     # manifests' shapes -> merged structure
         self._nonce = ("", 0)            # (nonce, pid): one per publisher and process
+        #: Over a cluster, how long a publish that fails for want of a member (one died and
+        #: stays in the ring until its lease expires) waits for the member set to change and
+        #: tries again; None: two lease TTLs and a second; 0: it raises at once.
+        self.settle_s: float | None = None
 
     def publish(self, state: Mapping[str, Array], version: int, layout: Mapping[str, Shard | None] | None = None,
                 dtype: DType | None = None) -> bool:
@@ -237,8 +246,6 @@ class WeightPublisher:
 
         if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
             self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
-        self._check_world(version)              # before writing anything
-        self.board.begin(version, self.rank, self.world)
         # The nonce tells this publisher's parts from those of another process publishing
         # the same rank and version (a restarted or misconfigured one). It is the same for
         # every version, so markers of an unchanged model are the same bytes, which a
@@ -246,6 +253,75 @@ class WeightPublisher:
         if self._nonce[1] != os.getpid():
             self._nonce = (os.urandom(6).hex(), os.getpid())
         nonce = self._nonce[0]
+        # Nothing of the version is visible before its manifest: a write that failed for want
+        # of a member is tried again once the member set has changed.
+        written, tensors, placement, nbytes = self._settled(self._write, version, sources, nonce)
+        manifest = {"format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
+                    "world": self.world, "nonce": nonce, "tensors": tensors, "placement": placement}
+        try:
+            self._settled(self.board.record_rank, version, self.rank, manifest)
+        except BaseException:
+            self._drop(written)
+            raise
+        # Again now that our manifest is there: of two ranks racing, the later one sees
+        # the other.  Nothing is rolled back (peers of our world may already have read
+        # our manifest); the parts go when a newer version retires this one.
+        if self.world > 1:       # (with world=1 the version completes now: a late rank of
+            self._check_world(version)   # another world finds it complete and stops there)
+        self.last_version = version
+        try:
+            visible = self._settled(self._try_complete, version, manifest)
+        except BaseException:
+            self._pending.add(version)      # the next publish completes it if it can
+            raise
+        latest = self.board.latest()
+        for v in sorted(self._pending):     # an earlier version whose last rank died after its manifest
+            try:
+                if (latest is None or v > latest) and not self._try_complete(v):
+                    continue
+            except ValueError:
+                pass                        # already reported to the rank that completed it
+            self._pending.discard(v)
+        if not visible:
+            self._pending.add(version)
+        if self._woke_nobody:
+            # Last: woken subscribers take the CPU, so the publisher finishes first.
+            self._woke_nobody = False
+            self.board.wake()
+        self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
+                                   "seconds": time.perf_counter() - t0, "complete": visible}
+        return visible
+
+    def _settled(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)``; over a cluster, again each time the member set changes while it
+        fails for want of a member (``ClusterUnavailableError``: one died and stays in the
+        ring until its lease expires), for up to ``settle_s`` seconds in all."""
+        deadline = None
+        while True:
+            seen = self._member_changes()
+            try:
+                return fn(*args)
+            except ClusterUnavailableError:
+                if seen is None:
+                    raise
+                if deadline is None:
+                    wait = self.settle_s if self.settle_s is not None else \
+                        SETTLE_TTLS * getattr(self.store, "lease_ttl", 10.0) + 1.0
+                    deadline = time.monotonic() + wait
+                while self._member_changes() == seen and time.monotonic() < deadline:
+                    time.sleep(SETTLE_POLL_S)
+                if self._member_changes() == seen:
+                    raise
+
+    def _member_changes(self) -> int | None:
+        return getattr(self.store, "member_changes", None)
+
+    def _write(self, version: int, sources: list, nonce: str) -> tuple[list[str], dict, dict, int]:
+        """Check the world, announce the version and store this rank's parts: (their keys,
+        the manifest's tensors, their placement, bytes). On failure the parts written are
+        dropped."""
+        self._check_world(version)              # before writing anything
+        self.board.begin(version, self.rank, self.world)
         tensors, written, nbytes = {}, [], 0
         owners_of = getattr(self.store, "owners", None)
         placement: dict[str, list[str]] = {}
@@ -266,38 +342,20 @@ class WeightPublisher:
                     nbytes += src.nbytes
                 tensors[t] = entry
             sends.wait()
-            manifest = {"format": FORMAT, "name": self.name, "version": version, "rank": self.rank,
-                        "world": self.world, "nonce": nonce, "tensors": tensors, "placement": placement}
-            self.board.record_rank(version, self.rank, manifest)
         except BaseException:
             sends.wait(raising=False)
-            for k in written:
-                self.store.delete(k)
+            self._drop(written)
             raise
-        # Again now that our manifest is there: of two ranks racing, the later one sees
-        # the other.  Nothing is rolled back (peers of our world may already have read
-        # our manifest); the parts go when a newer version retires this one.
-        if self.world > 1:       # (with world=1 the version completes now: a late rank of
-            self._check_world(version)   # another world finds it complete and stops there)
-        self.last_version = version
-        visible = self._try_complete(version, manifest)
-        latest = self.board.latest()
-        for v in sorted(self._pending):     # an earlier version whose last rank died after its manifest
+        return written, tensors, placement, nbytes
+
+    def _drop(self, keys: list[str]) -> None:
+        """Delete the parts of a publish that failed (those on a member that does not answer
+        go when a newer version retires this one)."""
+        for k in keys:
             try:
-                if (latest is None or v > latest) and not self._try_complete(v):
-                    continue
-            except ValueError:
-                pass                        # already reported to the rank that completed it
-            self._pending.discard(v)
-        if not visible:
-            self._pending.add(version)
-        if self._woke_nobody:
-            # Last: woken subscribers take the CPU, so the publisher finishes first.
-            self._woke_nobody = False
-            self.board.wake()
-        self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
-                                   "seconds": time.perf_counter() - t0, "complete": visible}
-        return visible
+                self.store.delete(k)
+            except ClusterUnavailableError:
+                pass
 
     def _check_world(self, version: int) -> None:
         """Refuse a version that another rank publishes with another ``world``.

@@ -197,8 +197,11 @@ class WeightSubscriber:
                     return latest
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
+                down = "" if getattr(self.store, "member_present", None) is not False else (
+                    f"; this node's member {getattr(self.store, 'member_id', None)} is not in the cluster (it died or was "
+                    "stopped): versions reach this process through it, restart `yrcache node` here")
                 raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
-                                   f"{timeout} s (latest complete: {latest})")
+                                   f"{timeout} s (latest complete here: {latest}){down}")
             if latest is not None and not self._prepared:
                 self._prepare(latest)            # idle time: plan a fetch before sleeping
                 continue                         # (re-check: a version may have completed meanwhile)
