@@ -34,6 +34,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _util as U  # noqa: E402
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from yrcache.cluster.wire import recv_exact  # noqa: E402
+
 MiB = 1 << 20
 MSG = 8 * MiB                    # a part of the workload (2048 x 2048 bf16)
 ROW, STRIDE = 512, 4096          # a rollout's columns of a part's row, and the row's length
@@ -66,15 +71,10 @@ def tcp_cost(n: int) -> tuple[float, float]:
     p.start()
     c, _ = ls.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    view = memoryview(bytearray(MSG))
+    buf = bytearray(MSG)
     c0 = _cpu_ms()
     for _ in range(n):
-        got = 0
-        while got < MSG:
-            k = c.recv_into(view[got:])
-            if not k:
-                raise ConnectionError("the sender left")
-            got += k
+        recv_exact(c, buf)       # as a member takes a part (its receive low-water mark included)
         c.send(b"k")
     recv = _cpu_ms() - c0
     send = q.get(timeout=60)
