@@ -348,7 +348,8 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
         pub.settle_s = 15
         t = time.monotonic()
         assert pub.publish(v2, version=2) is True
-        assert victim.member_id not in ts._router.members and time.monotonic() - t < 10
+        # published once the ring changed (4-6 s after the death), not at the 15 s limit
+        assert victim.member_id not in ts._router.members and time.monotonic() - t < 14
         assert sub.wait(newer_than=1, timeout=10) == 2
         res = sub.fetch(2, layout=rollout_layout(1, 2))
         for name in SHAPES:

@@ -113,7 +113,8 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
         token_b = tok.encode() if tok else None
         ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
-        #: Seconds a dead member stays in the ring (its etcd lease's TTL).
+        #: This process's etcd lease TTL in seconds: a dead member leaves the ring this long
+        #: after it died (when the members use the same TTL).
         self.lease_ttl = ttl
         self.name = name or os.environ.get("YRCACHE_NAME") or f"yrcache-{self.cluster}"
         _LIVE[id(self)] = weakref.ref(self)
