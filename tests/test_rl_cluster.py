@@ -249,10 +249,10 @@ def test_wake_crosses_nodes_and_the_record_lives_in_etcd(harness, etcd):
         assert time.monotonic() - t < 5 and sub.latest() == 2
 
 
-def test_a_subscriber_whose_member_died_says_why_and_hears_again_once_it_is_back(harness):
+def test_a_subscriber_whose_member_died_still_hears_of_versions_and_fetches_them(harness):
     from cluster_util import NodeProc
 
-    t0, r0 = harness.start(2)
+    t0, r0, x = harness.start(3)
     url = url_of(harness)
     with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
         pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
@@ -261,14 +261,21 @@ def test_a_subscriber_whose_member_died_says_why_and_hears_again_once_it_is_back
         r0.sigkill()                       # the member that mirrors the records into r0's arena
         wait_for(lambda: rs.member_present is False and r0.member_id not in ts._router.members, 15,
                  "the dead member's lease expired")
-        assert pub.publish(trainer_state(0, 1, 2), version=2) is True
+        for v in (2, 3):                   # read from etcd meanwhile, the parts pulled from the others
+            assert pub.publish(trainer_state(0, 1, v), version=v) is True
+            assert sub.wait(newer_than=v - 1, timeout=10) == v
+            res = sub.fetch(v, layout=rollout_layout(0, 3))
+            for name in SHAPES:
+                np.testing.assert_array_equal(res[name], expected_slice(name, v, 0, 3))
         with pytest.raises(TimeoutError, match=f"member {r0.member_id} is not in the cluster"):
-            sub.wait(newer_than=1, timeout=0.5)
+            sub.wait(newer_than=3, timeout=0.5)
         harness.nodes.append(NodeProc(harness.env, r0.name, harness.tmp))    # restarted: same name
-        assert sub.wait(newer_than=1, timeout=15) == 2 and rs.member_present is True
-        res = sub.fetch(2, layout=rollout_layout(0, 3))
+        wait_for(lambda: rs.member_present is True, 15, "the member is back")
+        pub.publish(trainer_state(0, 1, 4), version=4)
+        assert sub.wait(newer_than=3, timeout=10) == 4
+        res = sub.fetch(4, layout=rollout_layout(2, 3))
         for name in SHAPES:
-            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 3))
+            np.testing.assert_array_equal(res[name], expected_slice(name, 4, 2, 3))
 
 
 def test_etcd_restart_between_versions(harness, etcd):

@@ -84,8 +84,8 @@ class NodeSharing:
     @property
     def member_present(self) -> bool | None:
         """Whether the member serving this node's arena is in the ring now, as this process
-        sees it (None for a pure client). While it is not, the node's processes hear of no
-        new ``yrcache.rl`` version (the member mirrors the records into the arena)."""
+        sees it (None for a pure client). While it is not, nobody mirrors the cluster's shared
+        words into the arena: ``yrcache.rl`` waits read their record from etcd once a second."""
         if self._local is None:
             return None
         return self._router.member_id in self._router.members

@@ -206,6 +206,14 @@ class VersionBoard:
         """Bump the counter and wake every waiter."""
         self.wake_word.wake()
 
+    def refresh(self) -> None:
+        """Read the record from etcd into this node's copy (a cluster store; else nothing):
+        what a node's member does on every change, for a process whose member is gone."""
+        for word in (self.wake_word, self.head_word):
+            read = getattr(word, "read", None)
+            if read is not None:
+                read()
+
 
 def _record(store, name: str):
     """A record word: the store's named word, or on a cluster store its shared word (kept

@@ -198,8 +198,8 @@ class WeightSubscriber:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 down = "" if getattr(self.store, "member_present", None) is not False else (
-                    f"; this node's member {getattr(self.store, 'member_id', None)} is not in the cluster (it died or was "
-                    "stopped): versions reach this process through it, restart `yrcache node` here")
+                    f"; this node's member {getattr(self.store, 'member_id', None)} is not in the cluster "
+                    "(it died or was stopped): restart `yrcache node` here")
                 raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
                                    f"{timeout} s (latest complete here: {latest}){down}")
             if latest is not None and not self._prepared:
@@ -207,7 +207,10 @@ class WeightSubscriber:
                 continue                         # (re-check: a version may have completed meanwhile)
             # Sleep in slices of at most 1 s: a publisher that died between its marker and
             # its wake-up cannot strand us (no busy polling either way).
-            self.board.wait_change(seen, 1.0 if left is None else min(left, 1.0))
+            if self.board.wait_change(seen, 1.0 if left is None else min(left, 1.0)):
+                continue
+            if getattr(self.store, "member_present", None) is False:
+                self.board.refresh()             # nobody mirrors the record into this node: read it
 
     def _prepare(self, version: int) -> None:
         """Plan a whole-state fetch of ``version`` once, while ``wait`` would sleep anyway.
