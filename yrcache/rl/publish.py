@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["WeightPublisher"]
 
-BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
 SETTLE_TTLS = 2.0                # WeightPublisher.settle_s by default: lease TTLs (and 1 s)
 SETTLE_POLL_S = 0.05
 

@@ -453,8 +453,8 @@ class WeightSubscriber:
         prefer = [list(placement[r].get(t, ())) if r < len(placement) else [] for t, r in c.refs]
         pre = {t.name: _new_result(t) for t in c.targets if t.name not in into}
         direct = direct_slots(c.targets, remapped, len(keys), [
-            codec.as_bytes_view(pre[t.name]) if t.name in pre else _as_stored(t, into[t.name], dtype)
-            for t in c.targets])
+            codec.as_bytes_view(pre[t.name]) if t.name in pre else
+            None if dtype is not None else _as_stored(t, into[t.name]) for t in c.targets])
         private = self._wants.private(span_ids(self.name, c.refs, spans))
         try:
             bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer, private, direct)
@@ -488,9 +488,9 @@ class WeightSubscriber:
             return res.to(want) if t.kind == "torch" else res.astype(want)
         # ---- into= (checked by _check_into before anything was read)
         is_t = codec.is_tensor(dst)
-        same = dst.dtype == (_stored_torch_dtype(t) if is_t else _stored_numpy_dtype(t))
-        if same and (not is_t or dst.device.type == "cpu"):   # straight into the destination
-            _run_plan(t.plan, srcs, codec.as_bytes_view(dst))
+        flat = _as_stored(t, dst)
+        if flat is not None:                             # straight into the destination
+            _run_plan(t.plan, srcs, flat)
             return dst
         if not is_t and t.kind == "numpy":               # numpy -> numpy cast: no torch needed
             tmp = np.empty(t.shape, dtype=np.dtype(t.dtype))
@@ -538,16 +538,13 @@ def _check_into(t: _Target, dst: Any, dtype: Any) -> None:
                              "into tensors receive their own dtype (drop dtype= or match it)")
 
 
-def _as_stored(t: _Target, dst: Any, dtype: Any) -> Any:
-    """An ``into=`` destination as flat bytes when it takes target ``t``'s stored bytes as
-    they are (host memory, ``t``'s shape and stored dtype, contiguous, writable); else None."""
-    if dtype is not None or tuple(getattr(dst, "shape", ())) != tuple(t.shape):
-        return None
+def _as_stored(t: _Target, dst: Any) -> Any:
+    """An ``into=`` destination (``_check_into`` passed it) as flat bytes when it takes
+    target ``t``'s stored bytes as they are (host memory, the stored dtype); else None."""
     if codec.is_tensor(dst):
-        ok = dst.device.type == "cpu" and dst.is_contiguous() and dst.dtype == _stored_torch_dtype(t)
+        ok = dst.device.type == "cpu" and dst.dtype == _stored_torch_dtype(t)
     else:
-        ok = isinstance(dst, np.ndarray) and dst.flags.c_contiguous and dst.flags.writeable \
-            and dst.dtype == _stored_numpy_dtype(t)
+        ok = dst.dtype == _stored_numpy_dtype(t)
     return codec.as_bytes_view(dst) if ok else None
 
 
