@@ -9,6 +9,7 @@ transport's own byte counter.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 import time
@@ -163,6 +164,19 @@ def url_of(h: ClusterHarness) -> str:
     return f"etcd://{h.etcd.endpoint}/{h.cluster}"
 
 
+@contextlib.contextmanager
+def first_version(harness: ClusterHarness, nodes: int = 3):
+    """``nodes`` nodes; a publisher on the first, a subscriber on the second, version 1
+    published and seen: ``(publisher, the second node's store, subscriber, cluster url)``."""
+    t0, r0 = harness.start(nodes)[:2]
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        pub.publish(trainer_state(0, 1, 1), version=1)
+        assert sub.wait(timeout=10) == 1
+        yield pub, rs, sub, url
+
+
 # ---- the issue's scenario ------------------------------------------------------------
 def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
     t0, t1, r0, r1, r2 = harness.start(5)
@@ -234,12 +248,7 @@ def test_processes_of_a_node_pull_a_shared_slice_once(harness):
 
 # ---- failures --------------------------------------------------------------------------
 def test_wake_crosses_nodes_and_the_record_lives_in_etcd(harness, etcd):
-    t0, r0 = harness.start(2)
-    url = url_of(harness)
-    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
-        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
-        pub.publish(trainer_state(0, 1, 1), version=1)
-        assert sub.wait(timeout=10) == 1
+    with first_version(harness, 2) as (pub, _rs, sub, _url):
         raw, _ = etcd.client().get(f"/yrcache/{harness.cluster}/words/rl/policy")
         assert int(raw) == 2                                   # newest complete version + 1
         seen = sub.board.token()
@@ -279,12 +288,7 @@ def test_a_subscriber_whose_member_died_still_hears_of_versions_and_fetches_them
 
 
 def test_etcd_restart_between_versions(harness, etcd):
-    t0, r0, _ = harness.start(3)
-    url = url_of(harness)
-    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
-        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
-        pub.publish(trainer_state(0, 1, 1), version=1)
-        assert sub.wait(timeout=10) == 1
+    with first_version(harness) as (pub, _rs, sub, _url):
         etcd.kill()
         etcd.start()
         pub.publish(trainer_state(0, 1, 2), version=2)          # the record's transaction retries

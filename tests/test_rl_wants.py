@@ -6,7 +6,6 @@ processes are this test process and spawned ones.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 
@@ -15,8 +14,8 @@ import pytest
 
 pytest.importorskip("pyetcd")
 from cluster_util import ClusterHarness, wait_for  # noqa: E402
-from test_rl_cluster import (SHAPES, SPAWN, collect, expected_slice, open_store, reference,  # noqa: E402
-                             remote_bytes, rollout, rollout_layout, trainer, trainer_state, url_of)
+from test_rl_cluster import (SHAPES, SPAWN, collect, expected_slice, first_version, open_store,  # noqa: E402
+                             reference, remote_bytes, rollout, rollout_layout, trainer, trainer_state, url_of)
 
 from yrcache.rl import Fused, Shard, WeightPublisher, WeightSubscriber  # noqa: E402
 from yrcache.rl.wants import WANTS  # noqa: E402
@@ -27,19 +26,6 @@ def harness(etcd, tmp_path):
     h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="1")
     yield h
     h.close()
-
-
-@contextlib.contextmanager
-def _first_version(harness):
-    """3 nodes; a publisher on the first, a subscriber on the second, version 1 published
-    and seen: ``(publisher, the second node's store, subscriber, cluster url)``."""
-    t0, r0, _ = harness.start(3)
-    url = url_of(harness)
-    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
-        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
-        pub.publish(trainer_state(0, 1, 1), version=1)
-        assert sub.wait(timeout=10) == 1
-        yield pub, rs, sub, url
 
 
 def _publish_remote(pub, rs, sub, after: int) -> int:
@@ -93,7 +79,7 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
     straight into the results (in the stored dtype, cast after when asked) and into
     ``into=`` arrays of the stored dtype, privately then copied into other ``into=``
     arrays; nothing lands in the node's arena."""
-    with _first_version(harness) as (pub, rs, sub, _url):
+    with first_version(harness) as (pub, rs, sub, _url):
         v = _publish_remote(pub, rs, sub, 1)
         st = _fetch(rs, sub, v, 2)
         assert st["bytes_direct"] == 0 and st["bytes_network"] == st["remote"] > 0   # first: landed
@@ -126,10 +112,10 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
             assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
 
 
-def test_a_subscriber_that_waits_makes_the_others_land_its_first_version(harness):
+def test_a_subscriber_that_waits_makes_the_others_land_itsfirst_version(harness):
     """A joins first and fetches alone (straight into its results); B then waits: A's
     next fetch lands everything, so B reads that version from the node's arena."""
-    with _first_version(harness) as (pub, rs, a, _url):
+    with first_version(harness) as (pub, rs, a, _url):
         _fetch(rs, a, 1, 0)                                   # A's first fetch
         v = _publish_remote(pub, rs, a, 1)
         st = _fetch(rs, a, v, 0)
@@ -159,7 +145,7 @@ def _waiter(url, node, ready):
 def test_a_dead_subscribers_record_stops_counting(harness):
     """Another process's subscriber waits (wanting everything): ours lands. It is
     SIGKILLed: its record is dropped at our next fetch, which goes straight in."""
-    with _first_version(harness) as (pub, rs, sub, url):
+    with first_version(harness) as (pub, rs, sub, url):
         _fetch(rs, sub, 1, 0)                                 # (the first fetch lands anyway)
         ready = SPAWN.Event()
         other = SPAWN.Process(target=_waiter, args=(url, rs.name, ready))
