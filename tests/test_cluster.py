@@ -792,6 +792,47 @@ def test_sync_timeout_names_the_silent_owner_and_repair_copies_it_later(etcd, tm
         h.close()
 
 
+def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness):
+    """A member that hangs (SIGSTOP: its connections stay open, nothing answers) is dropped
+    from the ring when its lease expires; requests already waiting on it end then, not at
+    their 30 s timeout: a read goes on to the key's other owner, a write whose only owner
+    it was raises at once and a retry goes to the new owner."""
+    a, b, _ = harness.start(3)
+    with harness.client(replicas=2, write_mode="write_through") as c:
+        harness.wait_members(c, 3)
+        key = next(k for k in (f"r{i}" for i in range(1000)) if c.owners(k)[0] == b.member_id)
+        c.put(key, value(1))
+        single = next(k for k in (f"s{i}" for i in range(1000)) if c.owners(k)[0] == b.member_id)
+        got: dict[str, object] = {}
+
+        def call(name: str, fn) -> None:
+            t0 = time.monotonic()
+            try:
+                got[name] = fn()
+            except Exception as e:  # noqa: BLE001 - recorded, checked below
+                got[name] = e
+            got[name + "_s"] = time.monotonic() - t0
+        sigstop(b.proc.pid)
+        try:
+            threads = [threading.Thread(target=call, args=("read", lambda: c.get(key))),
+                       threading.Thread(target=call, args=("write", lambda: c.put(single, value(2),
+                                                                                 write_mode="none")))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(25)
+            assert not any(t.is_alive() for t in threads), "a request still waits on the hung member"
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        assert isinstance(got["read"], np.ndarray) and int(got["read"][0]) == 1, got
+        assert got["read_s"] < TTL + 8, got          # the lease, not the 30 s request timeout
+        assert isinstance(got["write"], ClusterUnavailableError), got
+        assert b.member_id in str(got["write"]) and got["write_s"] < TTL + 8, got
+        harness.wait_members(c, 2, timeout=5)
+        c.put(single, value(3), write_mode="none")       # the ring without b: its new owner
+        assert int(c[single][0]) == 3
+
+
 def test_tier_hint_travels_to_the_owners(etcd, tmp_path):
     from cluster_util import NodeProc
 

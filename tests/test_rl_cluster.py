@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import queue
+import signal
 import time
 import traceback
 
@@ -20,6 +21,7 @@ import pytest
 
 pytest.importorskip("pyetcd")
 from cluster_util import TTL, ClusterHarness, wait_for  # noqa: E402
+from procs import sigstop  # noqa: E402
 
 from yrcache import TieredStore  # noqa: E402
 from yrcache.errors import ClusterUnavailableError  # noqa: E402
@@ -365,6 +367,34 @@ def test_losing_a_member_that_holds_parts_is_a_clear_error_then_the_next_version
         res = sub.fetch(2, layout=rollout_layout(1, 2))
         for name in SHAPES:
             np.testing.assert_array_equal(res[name], expected_slice(name, 2, 1, 2))
+
+
+def test_a_hung_member_costs_a_publish_its_lease_not_the_request_timeout(harness):
+    """A member that stops answering but keeps its connections (SIGSTOP) while it owns
+    parts of the next version: the publish's writes to it end when its lease expires and
+    the publish completes on the new ring, seconds later, not after the 30 s request timeout."""
+    t0, r0, x = harness.start(3)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        extra = {f"e{i}": np.full(8, i, np.float32) for i in range(24)}
+        pub.publish({**trainer_state(0, 1, 1), **extra}, version=1)
+        assert sub.wait(timeout=10) == 1
+        nonce = sub.board.completion(1)["nonces"][0]
+        v2 = {**trainer_state(0, 1, 2), **extra}
+        assert x.member_id in {ts.owners(sub.board.part_key(2, 0, nonce, n))[0] for n in v2}
+        sigstop(x.proc.pid)
+        try:
+            t = time.monotonic()
+            assert pub.publish(v2, version=2) is True
+            took = time.monotonic() - t
+        finally:
+            x.proc.send_signal(signal.SIGCONT)
+        assert took < TTL + 8, took
+        assert sub.wait(newer_than=1, timeout=10) == 2
+        res = sub.fetch(2, layout=rollout_layout(0, 2))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 2))
 
 
 def test_processes_with_different_slices_pull_the_parts_they_share_once(harness):

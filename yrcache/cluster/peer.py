@@ -12,6 +12,7 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -181,22 +182,34 @@ class Peer:
         self._token = token or b""
         self.timeout = timeout
         self._idle: list[Conn] = []
+        self._busy: weakref.WeakSet[socket.socket] = weakref.WeakSet()    # connecting or lent out
         self._max_idle = pool
         self._lock = threading.Lock()
         self._closed = False
 
     def close(self) -> None:
-        self._closed = True
+        """Close the idle connections and cut those in use: a request waiting on a member
+        that left the cluster (a hung process whose lease expired, a partition) fails now
+        with ``ClusterUnavailableError``, not at its timeout, and the caller moves on."""
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
+            busy = list(self._busy)
         for c in idle:
             c.sock.close()
+        for sock in busy:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)     # its user closes it
+            except OSError:
+                pass
 
     def _connect(self, timeout: float) -> Conn:
         try:
             s = socket.create_connection(self._hostport, timeout=timeout)   # the handshake too
         except OSError as e:
             raise ClusterUnavailableError(f"member {self.name} at {self.address} does not answer: {e}") from e
+        with self._lock:
+            self._busy.add(s)           # close() cuts a handshake with a member that left, too
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             hello = bytearray(3 + NONCE)
@@ -217,16 +230,28 @@ class Peer:
         return Conn(s)
 
     def borrow(self, timeout: float | None = None) -> Conn:
-        """A pooled (or new) connection; give it back with :meth:`give_back`, or close it."""
+        """A pooled (or new) connection; give it back with :meth:`give_back`, or close it.
+        ``ClusterUnavailableError`` once the member has left (:meth:`close`)."""
         with self._lock:
+            self._check_open()
             c = self._idle.pop() if self._idle else None
         if c is None:
             c = self._connect(timeout if timeout is not None else self.timeout)
         c.set_timeout(timeout if timeout is not None else self.timeout)
+        with self._lock:
+            if self._closed:            # it left while we connected
+                c.sock.close()
+                self._check_open()
+            self._busy.add(c.sock)
         return c
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClusterUnavailableError(f"member {self.name} at {self.address} left the cluster")
 
     def give_back(self, c: Conn) -> None:
         with self._lock:
+            self._busy.discard(c.sock)
             keep = len(self._idle) < self._max_idle and not self._closed and not c.rd.buffered
             if keep:
                 self._idle.append(c)
