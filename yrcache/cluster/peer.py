@@ -185,14 +185,14 @@ class Peer:
         self._busy: weakref.WeakSet[socket.socket] = weakref.WeakSet()    # connecting or lent out
         self._max_idle = pool
         self._lock = threading.Lock()
-        self._closed = False
+        self._closed = ""               # why requests are refused, once closed
 
-    def close(self) -> None:
+    def close(self, why: str = "left the cluster") -> None:
         """Close the idle connections and cut those in use: a request waiting on a member
         that left the cluster (a hung process whose lease expired, a partition) fails now
         with ``ClusterUnavailableError``, not at its timeout, and the caller moves on."""
         with self._lock:
-            self._closed = True
+            self._closed = why
             idle, self._idle = self._idle, []
             busy = list(self._busy)
         for c in idle:
@@ -247,7 +247,7 @@ class Peer:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ClusterUnavailableError(f"member {self.name} at {self.address} left the cluster")
+            raise ClusterUnavailableError(f"member {self.name} at {self.address}: {self._closed}")
 
     def give_back(self, c: Conn) -> None:
         with self._lock:

@@ -149,7 +149,7 @@ class Router(RangedReads, FanOut):
     def close(self) -> None:
         with self._lock:
             for p in self._peers.values():
-                p.close()
+                p.close("this store was closed")
             self._peers.clear()
 
     def owners(self, key: str, r: int | None = None) -> list[str]:
