@@ -318,7 +318,7 @@ def test_a_trainer_node_dying_mid_publish_leaves_the_previous_version(tmp_path, 
             # version 2: rank 0 publishes, then rank 1's node dies before rank 1 does
             assert not p0.publish(trainer_state(0, 2, 2), version=2, layout={n: Shard(0, 0, 2) for n in SPLIT})
             t1.sigkill()
-            with pytest.raises(TimeoutError):
+            with pytest.raises(TimeoutError, match=r"version 2 is in flight, waiting for rank\(s\) 1 of world=2"):
                 sub.wait(newer_than=1, timeout=1.0)            # the unfinished version stays invisible
             with pytest.raises(KeyError, match="not complete"):
                 sub.fetch(2)

@@ -261,8 +261,9 @@ def test_publish_validation_and_wait(make_store):
     store = make_store()
     sub = WeightSubscriber(store, "policy")
     assert sub.latest() is None and sub.versions() == []
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as ei:
         sub.wait(timeout=0.01)
+    assert "in flight" not in str(ei.value)                     # nothing begun
     p0, p1 = (WeightPublisher(store, "policy", rank=r, world=2) for r in range(2))
     t = torch.ones(4, 2)
     with pytest.raises(ValueError, match="index=0, count=2"):
@@ -286,7 +287,7 @@ def test_publish_validation_and_wait(make_store):
         sub.fetch(1, layout={"x": Shard(0, 0, 2)})
     # staleness: v2 in flight (rank 0 only); a caller at v1 is 1 behind the trainer
     p0.publish({"w": t, "r": t}, version=2, layout={"w": Shard(0, 0, 2)})
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError, match=r"version 2 is in flight, waiting for rank\(s\) 1 of world=2"):
         sub.wait(newer_than=1, timeout=0.02)
     with pytest.raises(TimeoutError):
         sub.wait(newer_than=1, timeout=0.02, max_staleness=0)

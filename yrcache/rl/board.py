@@ -171,6 +171,18 @@ class VersionBoard:
         v = self.wake_word.value
         return v - 1 if v else None
 
+    def in_flight(self) -> tuple[int, int, list[int]] | None:
+        """``(version, world, ranks whose manifest is missing)`` of the newest version begun
+        but not complete, or None (nothing in flight, or its begin record is gone)."""
+        head, latest = self.head(), self.latest()
+        if head is None or (latest is not None and head <= latest):
+            return None
+        started = self.started_by(head)
+        if started is None:
+            return None
+        world = started[1]
+        return head, world, [r for r, m in enumerate(self.rank_manifests(head, world)) if m is None]
+
     def head(self) -> int | None:
         """The newest version any rank has started publishing (>= ``latest()``)."""
         h = self.head_word.value

@@ -201,7 +201,7 @@ class WeightSubscriber:
                     f"; this node's member {getattr(self.store, 'member_id', None)} is not in the cluster "
                     "(it died or was stopped): restart `yrcache node` here")
                 raise TimeoutError(f"no version of {self.name!r} newer than {newer_than} within "
-                                   f"{timeout} s (latest complete here: {latest}){down}")
+                                   f"{timeout} s (latest complete here: {latest}){self._in_flight()}{down}")
             if latest is not None and not self._prepared:
                 self._prepare(latest)            # idle time: plan a fetch before sleeping
                 continue                         # (re-check: a version may have completed meanwhile)
@@ -211,6 +211,18 @@ class WeightSubscriber:
                 continue
             if getattr(self.store, "member_present", None) is False:
                 self.board.refresh()             # nobody mirrors the record into this node: read it
+
+    def _in_flight(self) -> str:
+        """For a timeout's message: the version in flight and the ranks it waits for."""
+        try:
+            got = self.board.in_flight()
+        except Exception:  # noqa: BLE001 - the timeout is the error; this only explains it
+            return ""
+        if got is None:
+            return ""
+        version, world, missing = got
+        return (f"; version {version} is in flight, waiting for rank(s) {', '.join(map(str, missing))} "
+                f"of world={world} to publish it") if missing else f"; version {version} is being completed"
 
     def _prepare(self, version: int) -> None:
         """Plan a whole-state fetch of ``version`` once, while ``wait`` would sleep anyway.
