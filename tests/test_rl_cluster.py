@@ -373,9 +373,13 @@ def test_a_hung_member_costs_a_publish_its_lease_not_the_request_timeout(harness
     """A member that stops answering but keeps its connections (SIGSTOP) while it owns
     parts of the next version: the publish's writes to it end when its lease expires and
     the publish completes on the new ring, seconds later, not after the 30 s request timeout."""
-    t0, r0, x = harness.start(3)
+    t0, r0 = harness.start(2)
+    harness.env["YRCACHE_LEASE_TTL"] = "6"      # x: 4-6 s in the ring after it stops
+    x, = harness.start(1)
+    harness.env["YRCACHE_LEASE_TTL"] = str(TTL)
     url = url_of(harness)
     with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        harness.wait_members(rs, 3)
         pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
         extra = {f"e{i}": np.full(8, i, np.float32) for i in range(24)}
         pub.publish({**trainer_state(0, 1, 1), **extra}, version=1)
@@ -383,14 +387,24 @@ def test_a_hung_member_costs_a_publish_its_lease_not_the_request_timeout(harness
         nonce = sub.board.completion(1)["nonces"][0]
         v2 = {**trainer_state(0, 1, 2), **extra}
         assert x.member_id in {ts.owners(sub.board.part_key(2, 0, nonce, n))[0] for n in v2}
+        # a weight set with a version in flight whose begin record is on x
+        other = WeightSubscriber(rs, "other")
+        v = next(v for v in range(1, 1000) if rs.owners(other.board._started_key(v))[0] == x.member_id)
+        WeightPublisher(ts, "other", rank=0, world=2).publish({"w": np.ones((2, 2))}, v, layout={"w": Shard(0, 0, 2)})
+        with pytest.raises(TimeoutError, match=f"version {v} is in flight, waiting for rank"):
+            other.wait(timeout=0.2)
         sigstop(x.proc.pid)
         try:
+            t = time.monotonic()
+            with pytest.raises(TimeoutError) as ei:
+                other.wait(timeout=0.2)      # the look at the in-flight version is cut short
+            assert time.monotonic() - t < 2.5 and "in flight" not in str(ei.value)
             t = time.monotonic()
             assert pub.publish(v2, version=2) is True
             took = time.monotonic() - t
         finally:
             x.proc.send_signal(signal.SIGCONT)
-        assert took < TTL + 8, took
+        assert took < 14, took                 # x's lease (6 s), not the 30 s request timeout
         assert sub.wait(newer_than=1, timeout=10) == 2
         res = sub.fetch(2, layout=rollout_layout(0, 2))
         for name in SHAPES:

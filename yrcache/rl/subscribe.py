@@ -19,7 +19,7 @@ from .. import buffers, codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
 from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
-from .remote import PartsUnavailable, direct_slots, drop_older, fetch_parts, is_remote, plan_spans
+from .remote import PartsUnavailable, direct_slots, drop_older, fetch_parts, is_remote, plan_spans, pool
 from .reshard import Fused, Shard, _Plan, _compile, _run_plan, plan_fused, plan_shard
 from .staging import _progress, _Stager
 from .wants import Wants, span_ids
@@ -31,6 +31,7 @@ __all__ = ["WeightSubscriber"]
 
 PREFAULT_MIN_BYTES = 1 << 20      # map the pages a fetch reads first when it reads this much
 BUCKET_BYTES = 64 << 20          # host staging bucket for device / casting destinations
+IN_FLIGHT_S = 0.5               # a wait timeout's look at the version in flight, at most
 
 
 # --------------------------------------------------------------------------- fetch
@@ -213,9 +214,12 @@ class WeightSubscriber:
                 self.board.refresh()             # nobody mirrors the record into this node: read it
 
     def _in_flight(self) -> str:
-        """For a timeout's message: the version in flight and the ranks it waits for."""
+        """For a timeout's message: the version in flight and the ranks it waits for (its
+        records are read on a pool thread for at most ``IN_FLIGHT_S``, so a member that
+        hangs cannot stretch the timeout: the message then goes without it)."""
         try:
-            got = self.board.in_flight()
+            got = pool().submit(self.board.in_flight).result(IN_FLIGHT_S) if is_remote(self.store) \
+                else self.board.in_flight()
         except Exception:  # noqa: BLE001 - the timeout is the error; this only explains it
             return ""
         if got is None:
