@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -167,6 +168,70 @@ def test_a_dead_subscribers_record_stops_counting(harness):
         wait_for(lambda: len(list(rs.node_store.keys(prefix=WANTS))) == 1, 5, "the dead record dropped")
 
 
+def _stopping_lander(url, node, version, out):
+    """Fetch slice 0 of ``version``, stopping this process (SIGSTOP) once it holds the
+    node locks of the spans it is about to land; report the fetch after SIGCONT."""
+    import yrcache.rl.remote as remote
+
+    pull = remote._receive_many
+
+    def stop_then_pull(store, pulls, node, cks=None):
+        if cks is not None:                       # landing: its node locks are held
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return pull(store, pulls, node, cks)
+    remote._receive_many = stop_then_pull
+    try:
+        with open_store(url, node) as s:
+            sub = WeightSubscriber(s, "policy")
+            out.put(("lander", _fetch(s, sub, version, 0)))
+    except BaseException as e:  # noqa: BLE001 - the test reports it
+        out.put(("lander", repr(e)))
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        raw = f.read()
+    return raw[raw.rfind(b")") + 2:].split()[0].decode()
+
+
+def test_a_stopped_lander_does_not_hang_the_nodes_other_fetchers(harness):
+    """A process of the node is stopped (SIGSTOP) while it holds the node locks of the
+    spans it lands. Another process fetching the same spans waits ``PATIENCE_S``, sees
+    the lander stopped and pulls them itself; the lander, continued, ends its fetch;
+    both get the right bytes and the lander's record goes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from yrcache.rl.landers import LANDERS, PATIENCE_S
+
+    with first_version(harness) as (pub, rs, sub, url):
+        v = _publish_remote(pub, rs, sub, 1)
+        out = SPAWN.Queue()
+        lander = SPAWN.Process(target=_stopping_lander, args=(url, rs.name, v, out))
+        lander.start()
+        try:
+            wait_for(lambda: _state(lander.pid) == "T", 60, "the lander stopped while landing")
+            assert len(list(rs.node_store.keys(prefix=LANDERS))) == 1
+            with ThreadPoolExecutor(1) as ex:
+                t = time.monotonic()
+                ours = ex.submit(_fetch, rs, sub, v, 0)          # our first fetch: it would land too
+                try:
+                    st = ours.result(timeout=30)
+                finally:
+                    os.kill(lander.pid, signal.SIGCONT)
+            assert PATIENCE_S <= time.monotonic() - t < 15
+            assert st["bytes_network"] == st["remote"] > 0 and st["bytes_node_cache"] == 0, st
+            who, theirs = out.get(timeout=60)
+            assert isinstance(theirs, dict), theirs
+            assert theirs["bytes_network"] == theirs["remote"] == st["remote"], theirs
+            lander.join(30)
+            assert lander.exitcode == 0
+        finally:
+            if lander.is_alive():
+                os.kill(lander.pid, signal.SIGCONT)
+                lander.kill()
+        assert not list(rs.node_store.keys(prefix=LANDERS))
+
+
 def test_parts_that_are_not_one_run_of_the_result_are_copied_after(harness):
     """Column blocks (two ranks' ``Shard(1)`` parts) of whole tensors: each part's
     rows are strided in the result, so they are received privately and copied into
@@ -234,3 +299,35 @@ def test_random_layouts_and_versions_never_give_wrong_bytes(harness):
                 direct += sub.last_fetch_stats["bytes_direct"]
                 shared += sub.last_fetch_stats["bytes_node_cache"]
         assert direct > 0 and shared > 0              # (both ways were taken)
+
+
+def test_lander_records_of_dead_processes_go_and_other_namespaces_count_as_running(make_store):
+    """``lander_stopped`` drops a record whose process is gone (or whose pid is another
+    process now), skips one from another pid namespace, and sees a stopped one."""
+    import struct
+    import subprocess
+    import sys
+
+    from yrcache.rl.landers import LANDERS, _me, _proc_stat, lander_stopped
+
+    s = make_store()
+    me = struct.unpack("<QQQ", _me())
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    s.put(LANDERS + "dead", np.frombuffer(struct.pack("<QQQ", dead.pid, 1, me[2]), np.uint8))
+    s.put(LANDERS + "reused", np.frombuffer(struct.pack("<QQQ", me[0], me[1] + 1, me[2]), np.uint8))
+    s.put(LANDERS + "running", np.frombuffer(_me(), np.uint8))
+    assert not lander_stopped(s)
+    assert sorted(s.keys(prefix=LANDERS)) == [LANDERS + "running"]
+    stopped = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        wait_for(lambda: _state(stopped.pid) == "T", 10, "stopped")
+        rec = struct.pack("<QQQ", stopped.pid, _proc_stat(stopped.pid)[1], me[2] + 1)
+        s.put(LANDERS + "elsewhere", np.frombuffer(rec, np.uint8))
+        assert not lander_stopped(s)                     # another namespace's pid: not judged
+        s.put(LANDERS + "here", np.frombuffer(rec[:16] + struct.pack("<Q", me[2]), np.uint8))
+        assert lander_stopped(s)
+    finally:
+        stopped.kill()
+        stopped.wait()

@@ -121,6 +121,50 @@ def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store,
     assert time.monotonic() - t < 5
 
 
+def test_node_lock_timeout_gives_up_and_holds_nothing(make_store, store_name, mp_context):
+    """With ``timeout``, a node lock held by another process raises ``TimeoutError`` once
+    the time is up; ``node_locks`` then holds none of its keys (the free one included);
+    the lock is taken as soon as its holder lets go; bad timeouts are refused."""
+    import threading
+
+    from procs import get_report
+
+    s = make_store()
+    w = s.word("locked")
+    seen = w.seq
+    p, q = start(mp_context, _hold_lock, store_name, "held", 2.0)
+    while w.value != 1:
+        assert w.wait(seen, 30)
+        seen = w.seq
+    t = time.monotonic()
+    with pytest.raises(TimeoutError, match="still held"):
+        with s.node_lock("held", timeout=0.3):
+            pass
+    assert 0.25 < time.monotonic() - t < 1.5
+    with pytest.raises(TimeoutError):
+        with s.node_locks(["free-1", "held"], timeout=0.1):
+            pass
+    took = []                       # nothing kept: another thread takes the free key at once,
+
+    def take():
+        with s.node_lock("free-1", timeout=0.5):
+            took.append(True)
+    th = threading.Thread(target=take)
+    th.start()
+    th.join(5)
+    assert took == [True]
+    p2, q2 = start(mp_context, _hold_lock, store_name, "free-1", 0)      # and so does another process
+    assert get_report(p2, q2) == "released"
+    p2.join(10)
+    with s.node_lock("held", timeout=30):           # waits for the child, no longer
+        pass
+    assert get_report(p, q) == "released"
+    p.join(10)
+    for bad in (-1, float("nan"), "1", True):
+        with pytest.raises(ValueError, match="timeout must be"):
+            s.node_lock("k", timeout=bad)
+
+
 def _churn_locks(name, seed, rounds):
     """Take random overlapping sets of node locks, each in a random order, from 3 threads."""
     import random

@@ -15,6 +15,7 @@ import fcntl
 import os
 import secrets
 import threading
+import time
 import zlib
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -38,15 +39,18 @@ class _StripeLocks:
         self.guard = threading.Lock()
         self.locks: dict[int, list[Any]] = {}      # stripe -> [Lock, users]
 
-    def acquire(self, stripe: int) -> None:
+    def acquire(self, stripe: int, timeout: float = -1) -> bool:
         with self.guard:
             entry = self.locks.setdefault(stripe, [threading.Lock(), 0])
             entry[1] += 1
         try:
-            entry[0].acquire()
+            got = entry[0].acquire(timeout=timeout)
         except BaseException:
             self._drop(stripe)
             raise
+        if not got:
+            self._drop(stripe)
+        return got
 
     def release(self, stripe: int) -> None:
         self.locks[stripe][0].release()
@@ -87,19 +91,49 @@ def _lock_fd(name: str) -> int:
     return fd
 
 
+def _ofd_wait(fd: int, byte: int, deadline: float) -> bool:
+    """Write-lock ``byte`` of ``fd``, trying until ``deadline`` (``time.monotonic()``):
+    the kernel has no timed wait for an OFD lock, so poll, every 0.2 ms at first and
+    at most every 5 ms. Whether it was taken."""
+    pause = 0.0002
+    while True:
+        try:
+            _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_WRLCK, byte)
+            return True
+        except (BlockingIOError, PermissionError):       # EAGAIN / EACCES: held elsewhere
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.005)
+
+
+def stripes_of(keys: Iterable[str]) -> list[int]:
+    """The node-lock stripes of ``keys`` in the order ``node_locks`` takes them."""
+    return sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
+
+
 @contextlib.contextmanager
-def node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
+def node_locks(name: str, keys: Iterable[str], timeout: float | None = None) -> Iterator[None]:
     """Hold the node-lock stripes of ``keys``, taken in increasing order (so two holders
     of several never wait for each other in a circle), each the thread lock, then the
-    OFD lock; let go in reverse."""
-    stripes = sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
+    OFD lock; let go in reverse. With ``timeout`` (seconds), ``TimeoutError`` once
+    they are not all held by then (none is held after it)."""
+    stripes = stripes_of(keys)
     fd = _lock_fd(name)
     locks, held = _stripes, []
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
         for stripe in stripes:
-            locks.acquire(stripe)
+            if deadline is None:
+                locks.acquire(stripe)
+            elif not locks.acquire(stripe, max(0.0, deadline - time.monotonic())):
+                raise _busy(name, len(stripes), timeout)
             try:
-                _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
+                if deadline is None:
+                    _ofd_lock(fd, _F_OFD_SETLKW, fcntl.F_WRLCK, _LOCK_BASE + stripe)
+                elif not _ofd_wait(fd, _LOCK_BASE + stripe, deadline):
+                    raise _busy(name, len(stripes), timeout)
             except BaseException:
                 locks.release(stripe)
                 raise
@@ -111,6 +145,11 @@ def node_locks(name: str, keys: Iterable[str]) -> Iterator[None]:
                 _ofd_lock(fd, _F_OFD_SETLK, fcntl.F_UNLCK, _LOCK_BASE + stripe)
             finally:
                 locks.release(stripe)
+
+
+def _busy(name: str, n: int, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"{n} node lock(s) of store {name!r} still held by another process or thread "
+                        f"after {timeout} s")
 
 
 def hold_presence(name: str) -> int:

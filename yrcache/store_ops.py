@@ -22,7 +22,7 @@ from .errors import YrcacheError
 from .node_locks import node_locks as _node_locks
 from .tiers.dram import TIER_DRAM, Word, check
 from .types import Value
-from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
+from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, timeout as _check_timeout
 
 if TYPE_CHECKING:
     from .hbm import HbmOwner
@@ -120,26 +120,29 @@ class StoreOps:
             raise ValueError(f"word names are 1-200 UTF-8 bytes without NUL, got {name!r}")
         return self._a.word(_WORD_PREFIX + name)
 
-    def node_lock(self, key: str) -> AbstractContextManager[None]:
+    def node_lock(self, key: str, timeout: float | None = None) -> AbstractContextManager[None]:
         """A lock shared by every process of this machine using this store: ``with
         s.node_lock(k):`` holds one of 2**20 locks, chosen by a hash of ``k`` (unrelated
         keys rarely share one). It is let go when the block ends or the holder dies (an
-        OFD lock on the store's segment). Not reentrant."""
+        OFD lock on the store's segment). Not reentrant. ``timeout`` (seconds; None:
+        wait as long as it takes): the ``with`` raises ``TimeoutError`` if the lock is
+        still held elsewhere by then."""
         if not isinstance(key, str):
             raise TypeError(f"node_lock takes a str key, got {type(key).__name__} {key!r}")
-        return _node_locks(self.name, (key,))
+        return _node_locks(self.name, (key,), _check_timeout(timeout))
 
-    def node_locks(self, keys: Iterable[str]) -> AbstractContextManager[None]:
+    def node_locks(self, keys: Iterable[str], timeout: float | None = None) -> AbstractContextManager[None]:
         """``node_lock`` of several keys at once: ``with s.node_locks(ks):`` holds all of
         them. Their locks are taken in one global order, so holders of overlapping sets
-        never deadlock; do not take another node lock while holding these."""
+        never deadlock; do not take another node lock while holding these. ``timeout``:
+        as ``node_lock``'s, for all of them (none is held after a ``TimeoutError``)."""
         if isinstance(keys, (str, bytes)):
             raise TypeError("node_locks takes several keys (a list of str); for one key use node_lock(key)")
         keys = list(keys)
         for k in keys:
             if not isinstance(k, str):
                 raise TypeError(f"node_locks takes str keys, got {type(k).__name__} {k!r}")
-        return _node_locks(self.name, keys)
+        return _node_locks(self.name, keys, _check_timeout(timeout))
 
     def get_raw(self, key: str) -> tuple[bytes, memoryview] | None:
         """``(meta, payload)`` of ``key`` as stored, without decoding it, or None.

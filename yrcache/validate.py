@@ -84,3 +84,13 @@ def expire_at(ttl: float | None) -> float:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
         raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
     return time.time() + ttl
+
+
+def timeout(value: float | None) -> float | None:
+    """A wait's ``timeout``: None (no limit) or a number of seconds >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"timeout must be a number of seconds >= 0, or None to wait as long as it "
+                         f"takes; got {value!r}")
+    return float(value)

@@ -106,19 +106,19 @@ class NodeSharing:
             raise NotImplementedError("a pure cluster client (member=False) has no local words")
         return self._local.word(name)
 
-    def node_lock(self, key: str) -> Any:
+    def node_lock(self, key: str, timeout: float | None = None) -> Any:
         """``TieredStore.node_lock`` on this node's arena (a member or attached process)."""
         if self._local is None:
             raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
                                       "node_lock needs a process on a member's machine")
-        return self._local.node_lock(key)
+        return self._local.node_lock(key, timeout)
 
-    def node_locks(self, keys: Iterable[str]) -> Any:
+    def node_locks(self, keys: Iterable[str], timeout: float | None = None) -> Any:
         """``TieredStore.node_locks`` on this node's arena (a member or attached process)."""
         if self._local is None:
             raise NotImplementedError("a pure cluster client (member=False) has no node arena to lock; "
                                       "node_locks needs a process on a member's machine")
-        return self._local.node_locks(keys)
+        return self._local.node_locks(keys, timeout)
 
     def pin_host_memory(self) -> None:
         """``TieredStore.pin_host_memory`` of this node's arena (a no-op for a pure client)."""

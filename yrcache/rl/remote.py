@@ -9,9 +9,10 @@ packed bytes. The received bytes land in the node's arena
 another process of the node fetching the same slice of the same version reads
 them zero-copy instead of pulling them again (versioned keys are immutable: no
 invalidation); a per-key node lock makes the first fetcher pull while the others
-wait for it. Spans no other process of the node wants (``wants.py``) do not land
-there: they are received privately, straight into the results where they are one
-run of one. Parts this node holds itself are read in place, no copy, no network.
+wait for it (unless it is stopped: ``landers.py``). Spans no other process of the
+node wants (``wants.py``) do not land there: they are received privately, straight
+into the results where they are one run of one. Parts this node holds itself are
+read in place, no copy, no network.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 
 from .. import buffers, codec
 from ..errors import StoreFullError
+from .landers import landing
 
 #: Keys of a node's own arena that hold fetched weight bytes (``ClusterStore.node_store``).
 NODE_CACHE = "__node__/rl/"
@@ -164,7 +166,10 @@ def _pull_many(store: Any, node: Any, name: str, version: int, pulls: list[_Pull
     holds the node locks of all of them, so a process of the node fetching the same
     spans waits, then reads them there."""
     cks = [cache_key(name, version, p.key, p.spans) for p in pulls]
-    with node.node_locks(cks):
+    with landing(node, cks) as landed:
+        if not landed:                             # their lander is stopped: pull them privately
+            _receive_many(store, pulls, None)
+            return
         rest, rest_cks = [], []
         for p, ck in zip(pulls, cks):
             cached = node.get(ck)
@@ -220,7 +225,10 @@ def _flat(value: Any) -> np.ndarray:
 
 def _pull(store: Any, node: Any, name: str, version: int, p: _Pull) -> None:
     ck = cache_key(name, version, p.key, p.spans)
-    with node.node_lock(ck):                       # the node's first fetcher pulls, the rest wait
+    with landing(node, [ck]) as landed:            # the node's first fetcher pulls, the rest wait
+        if not landed:
+            p.buf, p.how = _receive(store, p, None), "network"
+            return
         cached = node.get(ck)
         if cached is None:
             try:
