@@ -176,6 +176,28 @@ class Node(tp.Handler):
             self.forwarder.add(f.key, f.version)
         return status
 
+    def adopt(self, f: tp.Frame) -> int:
+        """A process of this machine stored ``f.key`` in the arena itself (``ClusterStore``'s
+        ``_put_here``): take the object ``f.offset`` (its sequence number) at ``f.version``,
+        as ``put`` would; drop it if this member holds a newer version."""
+        key = f.key
+        if key.startswith(NODE_PREFIX):
+            raise ValueError(f"{key[:80]!r} is a node-private key, not the cluster's")
+        kb, a = key.encode(), self.local._a
+        with self.lock(key):
+            got = a.peek(kb)
+            if got is None or got[0].seq != f.offset:
+                return tp.NOT_FOUND
+            cur = self.current(key)
+            if cur is not None and f.version <= cur:
+                a.delete(kb, f.offset)
+                return tp.SAME if f.version == cur else tp.STALE
+            self._applied(key, f.version, f.flags)
+        self.router.clock.observe(f.version[0])
+        if f.flags & tp.F_REPLICATE:
+            self.forwarder.add(key, f.version)
+        return tp.OK
+
     def queue(self, key: str, version: Version) -> None:
         self.forwarder.add(key, version)
 

@@ -19,7 +19,7 @@ from typing import Any
 from .._fast import await_replies, wire_entries, wire_items, wire_puts
 from ..errors import AuthenticationError, ClusterUnavailableError
 from .settings import env_int
-from .wire import (_GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
+from .wire import (_GOT_ITEM, _PUT_ITEM, ADOPT, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
                    MAX_KEY, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
                    STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
                    encode_entries, encode_spans, pack, proof, read_frame, recv_exact, spans_nbytes, split_address)
@@ -301,6 +301,15 @@ class Peer:
             c.send_put(key, meta, payload, nbytes, version, priority, expire_at, flags)
             c.await_reply(PUT)
             return c.reply(PUT).status
+        return self._call(go, timeout)
+
+    def adopt(self, key: str, seq: int, version: tuple[int, int], flags: int = 0,
+              timeout: float | None = None) -> int:
+        """Ask the member to take ``key``, stored in its arena by this process as the object
+        ``seq``, at ``version``: ``OK``, ``SAME``, ``STALE`` or ``NOT_FOUND`` (no such object)."""
+        def go(c: Conn) -> int:
+            c.sock.sendall(pack(ADOPT, key.encode(), flags=flags, version=version, offset=seq))
+            return c.reply(ADOPT).status
         return self._call(go, timeout)
 
     def get(self, key: str, offset: int = 0, length: int = ALL, *, into: Callable[[bytes, int], Any] | None = None,

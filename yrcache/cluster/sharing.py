@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..config import WriteMode
 from ..errors import ClusterUnavailableError
 from ..validate import key_bytes
 from . import transport as tp
@@ -33,12 +34,18 @@ def _checked_spans(spans: Iterable[tuple[int, int, int, int]]) -> list[tuple[int
     return todo
 
 
+#: A write at least this large that only this node's member takes goes into the node's arena
+#: from the writing process itself (``_put_here``), not over a loopback connection.
+HERE_MIN = 256 << 10
+
+
 class NodeSharing:
     """Mixed into ``ClusterStore``: needs ``_local``, ``_membership``, ``_router``, ``_shared``,
-    ``cluster`` and ``_check_open``."""
+    ``cluster``, ``role`` and ``_check_open``."""
 
     if TYPE_CHECKING:
         cluster: str
+        role: str
         _local: TieredStore | None
         _membership: Membership | None
         _router: Router
@@ -98,6 +105,47 @@ class NodeSharing:
         under ``NODE_PREFIX`` (``"__node__/"``): cluster key listings and rebalancing
         skip them, and a restarted member starts without them."""
         return self._local
+
+    def _put_here(self, key: str, meta: bytes, nbytes: int, payload: Any, priority: int,
+                  expire_at: float, mode: WriteMode) -> bool:
+        """A large write whose one target is this node's member, from an attached process:
+        the payload (a buffer, or a function that fills the block) goes straight into a block
+        of the node's arena, committed only if the arena holds no object of ``key``, and the
+        member takes it at a new version (``ADOPT``) as if it had been sent: no socket
+        carries the bytes. False when this write does not qualify, finds no room, or the
+        member does not take it (then nothing of it is left here and the caller sends it)."""
+        router, local = self._router, self._local
+        if local is None or self.role != "attached" or nbytes < HERE_MIN:
+            return False
+        me = router.member_id
+        owners, flags = router.targets(key, mode) if me in router.members else ([], 0)
+        peer = router.peer(me) if me is not None and owners == [me] else None
+        if peer is None:
+            return False
+        kb, a = key.encode(), local._a
+        block = a.reserve(kb, meta, nbytes, priority=priority, expire_at=expire_at)
+        if block is None:
+            return False                   # no room without moving others: the member makes it
+        with block:
+            if callable(payload):
+                payload(block.buffer)
+            else:
+                block.fill_from(payload)
+            done = block.commit(expected=0)    # only where no object of the key is: else the member decides
+            if done is None:
+                return False
+            seq = done.new_seq
+        try:
+            status = peer.adopt(key, seq, router.clock.next(), flags)
+        except Exception:  # noqa: BLE001 - not taken here: the caller sends it, and reports what fails then
+            status = tp.NOT_FOUND
+        except BaseException:
+            a.delete(kb, seq)
+            raise
+        if status in (tp.OK, tp.SAME, tp.STALE):
+            return True
+        a.delete(kb, seq)                  # ours, if it is still there: the member did not take it
+        return False
 
     # -- the node's arena: a pure client has none
     def word(self, name: str) -> Any:

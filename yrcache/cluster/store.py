@@ -194,8 +194,9 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
                 return
         key_bytes(key)
         meta, payload, nbytes = self._encode(value)
-        self._router.put(key, meta, payload, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
-                         self._mode(write_mode), sync_timeout, check_tier(tier))
+        pri, exp, mode, tier = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode), check_tier(tier)
+        if tier is not None or not self._put_here(key, meta, nbytes, payload, pri, exp, mode):
+            self._router.put(key, meta, payload, nbytes, pri, exp, mode, sync_timeout, tier)
         self._ops["puts"] += 1
 
     def put_with(self, key: str, meta: bytes, nbytes: int, fill: Any, *, priority: int = 0,
@@ -209,13 +210,16 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         codec.check_header(meta, nbytes)
         if meta[:1] == b"P":
             raise TypeError("pickled objects never travel between members")
+        pri, exp, mode, tier = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode), check_tier(tier)
+        if tier is None and self._put_here(key, meta, nbytes, fill, pri, exp, mode):
+            self._ops["puts"] += 1
+            return
         if callable(fill):
             buf = tp.alloc(nbytes)
             fill(np.frombuffer(buf, np.uint8, nbytes))
         else:
             buf = fill
-        self._router.put(key, meta, buf, nbytes, _priority(priority), _expire_at(ttl) or 0.0,
-                         self._mode(write_mode), sync_timeout, check_tier(tier))
+        self._router.put(key, meta, buf, nbytes, pri, exp, mode, sync_timeout, tier)
         self._ops["puts"] += 1
 
     def mset(self, items: Mapping[str, Value] | Iterable[tuple[str, Value]], tier: Tier | None = None,

@@ -35,7 +35,7 @@ from typing import Any
 
 from .._fast import wire_mput
 from .wire import (  # noqa: F401  (the wire's names are part of this module's interface)
-    _GOT_ITEM, _PUT_ITEM, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
+    _GOT_ITEM, _PUT_ITEM, ADOPT, ALL, DELETE, ERROR, F_REPLICATE, F_SINGLE, FLUSH, FULL, GET, HAVE, HDR, KEYS,
     GETV, MAGIC, MAX_BATCH, MAX_KEY, MAX_LIST, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING,
     PROTO, PUT, SAME, SMALL, SMALL_REPLY, STALE, STAT, TIER_SHIFT, Frame, Got, ProtocolError, PutItem, Reader,
     RemoteError, Span, alloc, check_spans, decode_entries, decode_spans, encode_entries, encode_spans, gather, gather_into, is_loopback, pack, proof,
@@ -75,6 +75,12 @@ class Handler:
 
     def get(self, f: Frame) -> Got | None:
         """``f.key``'s ``[offset, offset+length)`` (its meta, version and, for length 0, tier), or None."""
+        raise NotImplementedError
+
+    def adopt(self, f: Frame) -> int:
+        """Take ``f.key``, which a process of this machine stored in the arena itself (the
+        object whose sequence number is ``f.offset``), at ``f.version``: a put's status,
+        ``NOT_FOUND`` if the arena no longer holds that object."""
         raise NotImplementedError
 
     def get_many(self, keys: list[str]) -> list[Got | None]:
@@ -304,6 +310,8 @@ class Server:
                     conn.sendall(part)
             elif f.op == DELETE:
                 out.append(pack(DELETE, status=h.delete(f)))
+            elif f.op == ADOPT:
+                out.append(pack(ADOPT, status=h.adopt(f)))
             elif f.op == KEYS:
                 body = encode_entries(h.keys(f.key))
                 out.append(pack(KEYS, plen=len(body)) + body)

@@ -35,9 +35,9 @@ NONCE = 32
 ALL = (1 << 64) - 1             # length of a read that wants the whole object
 
 # ops
-PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET, GETV = range(1, 12)
+PUT, GET, DELETE, KEYS, HAVE, STAT, FLUSH, PING, MPUT, MGET, GETV, ADOPT = range(1, 13)
 OP_NAMES = {PUT: "put", GET: "get", DELETE: "delete", KEYS: "keys", HAVE: "have", STAT: "stat",
-            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget", GETV: "getv"}
+            FLUSH: "flush", PING: "ping", MPUT: "mput", MGET: "mget", GETV: "getv", ADOPT: "adopt"}
 MAX_BATCH = 4096                # items in one MPUT/MGET frame
 # flags
 F_REPLICATE = 1                 # put: the receiver forwards the object to the key's other owners
