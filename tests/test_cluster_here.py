@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import ClusterHarness  # noqa: E402
+from cluster_util import ClusterHarness, wait_for  # noqa: E402
 
 from yrcache import TieredStore, WriteMode, codec  # noqa: E402
 from yrcache.cluster import transport as tp  # noqa: E402
@@ -89,6 +89,27 @@ def test_large_writes_to_the_own_member_skip_the_socket_and_read_back_everywhere
         from yrcache import Tier
 
         assert sent(lambda: s.put(key_owned_by(s, n1.member_id, "f"), big, tier=Tier.DRAM)) >= BIG
+
+
+def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path):
+    """With two copies, an ASYNC write's one target is this node's member: it is made in
+    place, and the member's forwarder copies it to the key's other owner, same version."""
+    h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2")
+    try:
+        n1, n2 = h.start(2)
+        url = f"etcd://{etcd.endpoint}/{h.cluster}"
+        big = np.arange(BIG // 8, dtype=np.int64)
+        with TieredStore(n1.name, cluster=url, replicas=2, lease_ttl=2.0) as s, h.client(replicas=2) as c:
+            h.wait_members(s, 2)
+            h.wait_members(c, 2)
+            s.put("twice", big, write_mode=WriteMode.ASYNC)     # (its copy then crosses the loopback)
+            s.flush()
+            wait_for(lambda: "twice" in n2.keys(), 10, "the second copy")
+            assert n1.keys()["twice"] == n2.keys()["twice"] > (0, 0)
+            n1.sigkill()                                    # the second copy answers alone
+            np.testing.assert_array_equal(c["twice"], big)
+    finally:
+        h.close()
 
 
 def test_adopt_takes_only_this_processes_object_at_a_newer_version(harness):
