@@ -91,7 +91,7 @@ def test_large_writes_to_the_own_member_skip_the_socket_and_read_back_everywhere
         assert sent(lambda: s.put(key_owned_by(s, n1.member_id, "f"), big, tier=Tier.DRAM)) >= BIG
 
 
-def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path):
+def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path, monkeypatch):
     """With two copies, an ASYNC write's one target is this node's member: it is made in
     place, and the member's forwarder copies it to the key's other owner, same version."""
     h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2")
@@ -102,7 +102,11 @@ def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path):
         with TieredStore(n1.name, cluster=url, replicas=2, lease_ttl=2.0) as s, h.client(replicas=2) as c:
             h.wait_members(s, 2)
             h.wait_members(c, 2)
+            adopted, adopt = [], tp.Peer.adopt
+            monkeypatch.setattr(tp.Peer, "adopt", lambda self, key, *a, **k: (adopted.append(key),
+                                                                             adopt(self, key, *a, **k))[1])
             s.put("twice", big, write_mode=WriteMode.ASYNC)     # (its copy then crosses the loopback)
+            assert adopted == ["twice"]
             s.flush()
             wait_for(lambda: "twice" in n2.keys(), 10, "the second copy")
             assert n1.keys()["twice"] == n2.keys()["twice"] > (0, 0)
