@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """RL weight sync across cluster nodes: yrcache.rl on a loopback cluster against gloo, in one run.
 
-    python bench/bench_rl_cluster.py [--quick] [--size-mib 512] [--reps 3] [--warmup 1]
+    python bench/bench_rl_cluster.py [--quick] [--size-mib 512] [--reps 5] [--warmup 1]
                                      [--latency-n 50] [--json out.json] [--keep-logs]
                                      [--skip yrcache|gloo|latency] [--one-node] [--wait-timeout 120]
 
@@ -215,7 +215,7 @@ def make_config(args) -> Config:
     rdram = parse_size(args.rollout_dram, "--rollout-dram") if args.rollout_dram else default
     return Config(quick=args.quick, size_mib=size, tensors=tensors,
                   warmup=args.warmup if args.warmup is not None else 1,
-                  reps=args.reps if args.reps is not None else (2 if args.quick else 3),
+                  reps=args.reps if args.reps is not None else (2 if args.quick else 5),
                   latency_n=args.latency_n if args.latency_n is not None else (20 if args.quick else 50),
                   latency_interval_s=args.latency_interval_ms / 1e3, threads=args.threads,
                   wait_timeout=args.wait_timeout, trainer_dram=tdram, rollout_dram=rdram)
@@ -1019,7 +1019,7 @@ def main(argv=None) -> int:
     ap.add_argument("--size-mib", type=int, default=None,
                     help=f"fp32 model size, a multiple of {TENSOR_MIB} (default 512; 128 with --quick)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed versions first (default 1)")
-    ap.add_argument("--reps", type=int, default=None, help="timed versions (default 3; 2 with --quick)")
+    ap.add_argument("--reps", type=int, default=None, help="timed versions (default 5; 2 with --quick)")
     ap.add_argument("--latency-n", type=int, default=None,
                     help="timed publishes for publish -> wake (default 50; 20 with --quick)")
     ap.add_argument("--latency-interval-ms", type=float, default=50.0, help="between publishes (default 50)")
