@@ -30,7 +30,9 @@ torch):
 
 The 10 worker processes are spawned with their node's environment, so
 ``TieredStore()`` in each returns a ``ClusterStore`` attached to its node's
-arena (role ``attached``).  The same 10 processes also join one
+arena (role ``attached``), which each maps up front (``store.prefault()``,
+outside the clock, as a long-lived worker should: in a long run every page is
+mapped after a few versions anyway).  The same 10 processes also join one
 ``torch.distributed`` gloo group (world 10, ``tcp://127.0.0.1:<free port>``) for
 the baseline.  torch runs 1 thread per process (``--threads``).
 
@@ -316,6 +318,10 @@ class Worker:
                 "store": getattr(self.store, "name", None), "cls": type(self.store).__name__}
         if role != "attached":
             raise RuntimeError(f"expected a ClusterStore attached to its node's arena, got {info}")
+        # A long-lived worker maps its node's arena up front (docs/rl-weight-sync.md, "Cold
+        # mappings"): a worker of a long run has every page mapped after a few versions
+        # anyway, and a run of a few versions would otherwise time first-touch page faults.
+        self.store.prefault()
         if self.trainer:
             self.pub = WeightPublisher(self.store, "policy", rank=self.idx, world=TRAINERS, keep=2)
             self.pub_layout = {n: Shard(0, self.idx, TRAINERS) for n in self.names}
