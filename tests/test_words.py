@@ -86,6 +86,17 @@ def _hold_lock(name, key, hold):
     return "released"
 
 
+def _start_holder(mp_context, s, store_name, key, hold):
+    """Start a ``_hold_lock`` child and return ``(process, queue)`` once it holds the lock."""
+    w = s.word("locked")
+    seen = w.seq
+    p, q = start(mp_context, _hold_lock, store_name, key, hold)
+    while w.value != 1:
+        assert w.wait(seen, 30)
+        seen = w.seq
+    return p, q
+
+
 def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store, store_name, mp_context):
     import signal
 
@@ -93,11 +104,7 @@ def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store,
 
     s = make_store()
     w = s.word("locked")
-    seen = w.seq
-    p, q = start(mp_context, _hold_lock, store_name, "part-7", 0.8)
-    while w.value != 1:
-        assert w.wait(seen, 30)
-        seen = w.seq
+    p, q = _start_holder(mp_context, s, store_name, "part-7", 0.8)
     t = time.monotonic()
     with s.node_lock("part-7"):                  # waits for the child to let go
         waited = time.monotonic() - t
@@ -108,11 +115,7 @@ def test_node_lock_excludes_other_processes_and_dies_with_its_holder(make_store,
         pass
     # a holder killed while it holds the lock frees it: the kernel drops an OFD lock with its file
     w.cas(1, 0)
-    seen = w.seq
-    p, q = start(mp_context, _hold_lock, store_name, "part-8", 600)
-    while w.value != 1:
-        assert w.wait(seen, 30)
-        seen = w.seq
+    p, q = _start_holder(mp_context, s, store_name, "part-8", 600)
     os.kill(p.pid, signal.SIGKILL)
     p.join(10)
     t = time.monotonic()
@@ -130,12 +133,7 @@ def test_node_lock_timeout_gives_up_and_holds_nothing(make_store, store_name, mp
     from procs import get_report
 
     s = make_store()
-    w = s.word("locked")
-    seen = w.seq
-    p, q = start(mp_context, _hold_lock, store_name, "held", 2.0)
-    while w.value != 1:
-        assert w.wait(seen, 30)
-        seen = w.seq
+    p, q = _start_holder(mp_context, s, store_name, "held", 2.0)
     t = time.monotonic()
     with pytest.raises(TimeoutError, match="still held"):
         with s.node_lock("held", timeout=0.3):
@@ -197,12 +195,7 @@ def test_node_locks_hold_a_set_and_overlapping_sets_never_deadlock(make_store, s
     from procs import get_report
 
     s = make_store()
-    w = s.word("locked")
-    seen = w.seq
-    p, q = start(mp_context, _hold_lock, store_name, ["a-1", "a-2", "a-3"], 0.8)
-    while w.value != 1:
-        assert w.wait(seen, 30)
-        seen = w.seq
+    p, q = _start_holder(mp_context, s, store_name, ["a-1", "a-2", "a-3"], 0.8)
     t = time.monotonic()
     with s.node_locks(["zz", "a-3"]):              # one key in common: waits for the child
         waited = time.monotonic() - t

@@ -108,18 +108,13 @@ def _ofd_wait(fd: int, byte: int, deadline: float) -> bool:
             pause = min(pause * 2, 0.005)
 
 
-def stripes_of(keys: Iterable[str]) -> list[int]:
-    """The node-lock stripes of ``keys`` in the order ``node_locks`` takes them."""
-    return sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
-
-
 @contextlib.contextmanager
 def node_locks(name: str, keys: Iterable[str], timeout: float | None = None) -> Iterator[None]:
     """Hold the node-lock stripes of ``keys``, taken in increasing order (so two holders
     of several never wait for each other in a circle), each the thread lock, then the
     OFD lock; let go in reverse. With ``timeout`` (seconds), ``TimeoutError`` once
     they are not all held by then (none is held after it)."""
-    stripes = stripes_of(keys)
+    stripes = sorted({zlib.crc32(k.encode()) % _LOCK_STRIPES for k in keys})
     fd = _lock_fd(name)
     locks, held = _stripes, []
     deadline = None if timeout is None else time.monotonic() + timeout
