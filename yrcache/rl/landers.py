@@ -17,6 +17,7 @@ correctness: a waiter that gives up pulls what it needs from the members.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import struct
@@ -56,7 +57,12 @@ def _pid_namespace() -> int:
 
 
 def _me() -> bytes:
-    pid = os.getpid()
+    """This process's record (made once per process: a forked child makes its own)."""
+    return _record_of(os.getpid())
+
+
+@functools.lru_cache(maxsize=4)
+def _record_of(pid: int) -> bytes:
     stat = _proc_stat(pid)
     return _RECORD.pack(pid, stat[1] if stat else 0, _pid_namespace())
 
