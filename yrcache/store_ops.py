@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from . import codec
+from . import codec, pinning
 from .config import Tier, WriteMode, write_mode as _write_mode
 from .placement import RETRY, SMALL_VALUE
 from .errors import YrcacheError
@@ -66,19 +66,12 @@ class StoreOps:
 
         Copies between the arena and a GPU then run at full PCIe speed, with
         no bounce through a pageable buffer.  Done once per process and
-        mapping; yrcache calls it at the first device copy, so CPU-only users
-        never initialise CUDA.  A no-op without CUDA.
+        mapping (and undone before the mapping goes); yrcache calls it at the
+        first device copy, so CPU-only users never initialise CUDA.  A no-op
+        without CUDA; if CUDA refuses, a warning is logged and copies stay
+        correct at pageable speed.
         """
-        a = self._a
-        if getattr(a, "cuda_pinned", False):
-            return
-        import torch
-
-        if not torch.cuda.is_available():
-            return
-        err = torch.cuda.cudart().cudaHostRegister(a.addr, a.size, 0)
-        # A mark on this process's mapping (tiers/dram.py is at its size limit).
-        a.cuda_pinned = int(err) == 0 if err is not None else True  # type: ignore[attr-defined]
+        pinning.register(self._a)
 
     def prefault(self, *values: Value) -> None:
         """Map arena pages now instead of one page fault per 4 KiB later.

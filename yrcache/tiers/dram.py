@@ -21,6 +21,7 @@ import numpy as np
 
 from .._arena import ffi, lib
 from .._fast import HotPath
+from .. import pinning
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
@@ -560,6 +561,7 @@ class Arena:
         if self.mapped:
             self.mapped = False
             self.hot.close()
+            pinning.unregister(self)      # CUDA's registration must not outlive the mapping
             lib.yr_unmap(self.base, self.size)
         if self._fd >= 0:
             os.close(self._fd)
