@@ -124,6 +124,8 @@ def _filler(src: _Source):
             if t.device.type == "cpu" and t.dtype == sd and t.is_contiguous():
                 np.copyto(u8, t.reshape(-1).view(torch.uint8).numpy())   # a plain memcpy
             else:   # cast and/or device->host in one copy
+                if t.device.type != "cpu":   # cast on the device: torch would copy, then cast on the host
+                    t = t.to(sd).contiguous()
                 torch.from_numpy(u8).view(sd).view(src.shape).copy_(t)
         else:
             np.copyto(u8.view(np.dtype(src.dtype)).reshape(src.shape), src.value, casting="unsafe")

@@ -3,8 +3,11 @@ cannot be written in place, and a progress bar for big fetches on a terminal."""
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from typing import Any
+
+import numpy as np
 
 from .publish import _torch
 
@@ -32,6 +35,21 @@ def _progress(total: int, name: str, version: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, unit="B", unit_scale=True, desc=f"{name} v{version}")
+
+
+DEVICE_SPAN_MAX = 4   # a CUDA destination reads whole source spans over PCIe up to this many times its bytes
+DEVICE_TYPES = ("cuda",)   # destinations gathered on their device (tests add "cpu" to run the path)
+
+
+def _readable(torch, u8: np.ndarray):
+    """A CPU tensor over flat bytes that the copies only read.  torch has no read-only
+    tensors and warns about read-only arrays (the arena's views are): the same memory,
+    through an array that does not say so.  Valid while ``u8`` is."""
+    if not isinstance(u8, np.ndarray):
+        u8 = np.frombuffer(u8, np.uint8)
+    if not u8.flags.writeable:
+        u8 = np.ctypeslib.as_array((ctypes.c_uint8 * u8.size).from_address(u8.ctypes.data))
+    return torch.from_numpy(u8)
 
 
 class _Stager:
@@ -63,6 +81,29 @@ class _Stager:
             self.pending.add(dst.device)
         else:
             dst.copy_(staged)
+
+    def gather_on_device(self, ops, srcs, nbytes: int, stored, shape, dst) -> bool:
+        """Gather a slice for CUDA destination ``dst`` on the device: each op's source span
+        (rows with the gaps between them) goes over in one DMA from the pinned arena, and
+        the rows are picked (and cast into ``dst``'s dtype) there.  That beats gathering
+        rows on the host into a bucket while the spans are at most ``DEVICE_SPAN_MAX``
+        times the bytes needed (a dim-1 half of a matrix: 2x).  False: not done, stage."""
+        if dst.device.type not in DEVICE_TYPES or not nbytes:
+            return False
+        spans = [so + (rows - 1) * ss + n - so for _pid, so, _do, n, rows, ss, _ds in ops]
+        if sum(spans) > DEVICE_SPAN_MAX * nbytes:
+            return False
+        torch = _torch()
+        out = dst.view(-1).view(torch.uint8) if dst.dtype == stored else \
+            torch.empty(nbytes, dtype=torch.uint8, device=dst.device)
+        for (pid, so, do, n, rows, ss, ds), span in zip(ops, spans):
+            src = _readable(torch, srcs[pid][so:so + span]).to(dst.device, non_blocking=True)
+            out.as_strided((rows, n), (ds, 1), do).copy_(src.as_strided((rows, n), (ss, 1)))
+        if out.data_ptr() != dst.data_ptr():
+            dst.copy_(out.view(stored).view(shape))   # the cast, on the device
+        if dst.device.type == "cuda":
+            self.pending.add(dst.device)    # the sources are read until a synchronize
+        return True
 
     def flush(self) -> None:
         for dev in self.pending:

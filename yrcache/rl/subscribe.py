@@ -428,26 +428,30 @@ class WeightSubscriber:
         copied = 0
         out: dict[str, Any] = {}
         pin = bool(into) and any(codec.is_tensor(d) and d.device.type == "cuda" for d in into.values())
+        if pin:
+            self.store.pin_host_memory()             # the parts' DMA to the device, unstaged
         stager = None
         if into:                                       # (only into= destinations are staged)
             reuse, self._pinned = (self._pinned, None) if pin else (None, self._pinned)  # one fetch owns it
             stager = _Stager(min(BUCKET_BYTES, -(-c.needed // 64) * 64 + 64 * len(c.targets)), pin, reuse)
         with _progress(c.needed, self.name, version) as bar:
-            for t in targets:
-                got = None
-                if bufs is None:                       # a small state read decoded: views are set
-                    assert views is not None
-                    got = _whole_part(t, views)
+            try:
+                for t in targets:
+                    got = None
+                    if bufs is None:                       # a small state read decoded: views are set
+                        assert views is not None
+                        got = _whole_part(t, views)
+                        if got is None:
+                            bufs = [_src_bytes(v) for v in views]
                     if got is None:
-                        bufs = [_src_bytes(v) for v in views]
-                if got is None:
-                    got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
-                                       into.get(t.name), dtype, stager, pre.get(t.name))
-                out[t.name] = got
-                copied += t.plan.nbytes
-                bar.update(t.plan.nbytes)
-            if stager is not None:
-                stager.flush()
+                        got = self._gather(t, [bufs[i] if i >= 0 else None for i in t.slots],
+                                           into.get(t.name), dtype, stager, pre.get(t.name))
+                    out[t.name] = got
+                    copied += t.plan.nbytes
+                    bar.update(t.plan.nbytes)
+            finally:                                   # (copies in flight read the views)
+                if stager is not None:
+                    stager.flush()
         if pin and stager is not None:
             self._pinned = stager.buf
         del views, bufs                                # drop the pins: reclaimable now
@@ -516,6 +520,8 @@ class WeightSubscriber:
         nbytes = math.prod(t.shape) * t.itemsize         # gather in the stored dtype, then cast/move
         torch, sdt = _torch(), _stored_torch_dtype(t)
         assert stager is not None                        # (made for every fetch with into=)
+        if is_t and stager.gather_on_device(t.plan.ops, srcs, nbytes, sdt, t.shape, dst):
+            return dst
         staged = stager.take(nbytes)
         _run_plan(t.plan, srcs, staged.numpy())
         typed = staged.view(sdt).view(t.shape) if nbytes else torch.empty(t.shape, dtype=sdt)
