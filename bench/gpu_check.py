@@ -23,6 +23,10 @@ before and after (wall clock, ``time.perf_counter_ns``), median reported:
   the put's own device-to-device copy of ``t`` (measured separately as
   "D2D clone"); vs ``pinned_buffer.copy_(cuda_tensor, non_blocking=True)``
   (and a pageable buffer, for context).
+* RL (c): a ``WeightPublisher`` publishes 8 fp32 device tensors (2 x ``--size`` MiB)
+  as bf16 vs ``t.to(bf16)`` + a pinned D2H copy of each; a ``WeightSubscriber``
+  fetches every tensor's dim-1 half into device bf16 tensors vs one pinned H2D
+  copy of as many bytes (the floor) and vs ``dst.copy_(pinned_host[:, :half])``.
 
 Target: H2D from the arena >= 0.8x the pinned torch copy.  Without CUDA it
 prints ``skipped: no CUDA device`` and exits 0.  ``--cpu-dry-run`` runs the same
@@ -193,16 +197,78 @@ def run(args, torch, doc: dict, cleanup: U.Cleanup) -> None:
     store.destroy()
 
 
+def run_rl(args, torch, doc: dict, cleanup: U.Cleanup) -> None:
+    """(c) RL weight sync with device tensors, one process: publish fp32 device weights as
+    bf16 (2 x --size MiB of fp32, --size MiB stored), fetch every tensor's dim-1 half into
+    device bf16 tensors (--size/2 MiB)."""
+    from yrcache import TieredStore
+    from yrcache.rl import Shard, WeightPublisher, WeightSubscriber
+
+    cuda = not args.cpu_dry_run
+    dev = torch.device("cuda:0" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    bf16 = torch.bfloat16
+
+    def timed(fn):
+        sync()
+        t0 = pc()
+        fn()
+        sync()
+        return pc() - t0
+
+    n, rows = 8, 4096
+    cols = max(2, args.size * MiB // 2 // n // rows // 2 * 2)
+    half = cols // 2
+    name = f"ybench-gpurl-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    cleanup.add(f"destroy store {name}", lambda: U.destroy_store(name))
+    store = TieredStore(name=name, dram=4 * n * rows * cols * 2 + 64 * MiB)
+    cleanup.add(f"close store {name}", store.destroy)
+    gen = torch.Generator(device=dev).manual_seed(5)
+    state = {f"w{i}": torch.randn(rows, cols, device=dev, generator=gen) for i in range(n)}
+    pub, sub = WeightPublisher(store, "gpu-check"), WeightSubscriber(store, "gpu-check")
+    lay = {k: Shard(1, 0, 2) for k in state}
+    dst = {k: torch.empty(rows, half, dtype=bf16, device=dev) for k in state}
+    naive = {k: torch.empty(rows, half, dtype=bf16, device=dev) for k in state}
+    host = {k: torch.empty(rows, cols, dtype=bf16, pin_memory=cuda) for k in state}
+    needed = torch.empty(n * rows * half, dtype=bf16, pin_memory=cuda)
+    needed_dev = torch.empty(n * rows * half, dtype=bf16, device=dev)
+    want = {k: t[:, :half].to(bf16) for k, t in state.items()}
+    res = doc["results"].setdefault("rl", {k: [] for k in ("publish", "publish_base", "fetch", "fetch_floor",
+                                                            "fetch_naive")})
+    ops = {
+        "publish": lambda v: pub.publish(state, version=v, dtype=bf16),
+        "publish_base": lambda v: [host[k].copy_(t.to(bf16), non_blocking=True) for k, t in state.items()],
+        "fetch": lambda v: sub.fetch(v, layout=lay, into=dst),
+        "fetch_floor": lambda v: needed_dev.copy_(needed, non_blocking=True),
+        "fetch_naive": lambda v: [naive[k].copy_(host[k][:, :half]) for k in state],
+    }
+    for r in range(args.reps + 1):
+        v = r + 1
+        for group in (("publish", "publish_base"), ("fetch", "fetch_floor", "fetch_naive")):
+            order = group[r % len(group):] + group[:r % len(group)]
+            for which in order:
+                dt = timed(lambda: ops[which](v))  # noqa: B023
+                if r:
+                    res[which].append(dt)
+        if r in (0, args.reps):
+            for k in state:
+                if not (torch.equal(dst[k], want[k]) and torch.equal(naive[k], want[k])):
+                    raise RuntimeError(f"RL fetch of version {v}: {k} differs from the published slice")
+    doc["env"]["rl_bytes"] = {"published_fp32": n * rows * cols * 4, "stored_bf16": n * rows * cols * 2,
+                              "fetched_bf16": n * rows * half * 2}
+    store.destroy()
+
+
 def build_rows(res: dict, nbytes: int) -> list[dict]:
     rows = []
 
-    def cell(ns):
+    def cell(ns, size):
         med = U.median(ns)
-        return f"{U.fmt_ns(med)} = {U.fmt_bw(nbytes, med)} (best {U.fmt_bw(nbytes, min(ns))})"
+        return f"{U.fmt_ns(med)} = {U.fmt_bw(size, med)} (best {U.fmt_bw(size, min(ns))})"
 
-    def row(workload, yr, base, base_label, target=None, **extra):
+    def row(workload, yr, base, base_label, target=None, nbytes=nbytes, **extra):
         ratio = U.median(base) / U.median(yr)
-        rows.append({"workload": workload, "yrcache": cell(yr), "baseline": f"{base_label}: {cell(base)}",
+        rows.append({"workload": workload, "yrcache": cell(yr, nbytes), "baseline": f"{base_label}: {cell(base, nbytes)}",
                      "ratio": ratio, "target": f"ratio >= {target}" if target else "",
                      "ok": (ratio >= target) if target else None,
                      "yr_median_ns": U.median(yr), "base_median_ns": U.median(base),
@@ -229,6 +295,15 @@ def build_rows(res: dict, nbytes: int) -> list[dict]:
         row(f"D2H {size}: demotion HBM->DRAM (put forcing it){note}", b["yr"], b["pinned"],
             "pinned_buf.copy_(cuda)", demoted=b["demoted"])
         row(f"D2H {size}: same, context", b["yr"], b["pageable"], "pageable_buf.copy_(cuda)")
+    rl = res.get("rl", {})
+    if rl.get("fetch"):
+        stored, fetched = nbytes, nbytes // 2     # bf16 bytes (fp32 published: 2 x --size)
+        row(f"RL publish {U.fmt_size(2 * stored)} fp32 on the device as bf16", rl["publish"], rl["publish_base"],
+            ".to(bf16) + pinned D2H", nbytes=stored)
+        row(f"RL fetch dim-1 halves ({U.fmt_size(fetched)} bf16) into device tensors", rl["fetch"],
+            rl["fetch_floor"], "pinned H2D of as many bytes (floor)", nbytes=fetched)
+        row("RL fetch, same, context", rl["fetch"], rl["fetch_naive"],
+            "dst.copy_(pinned_host[:, :half])", nbytes=fetched)
     return rows
 
 
@@ -269,6 +344,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     try:
         run(args, torch, doc, cleanup)
+        run_rl(args, torch, doc, cleanup)
     except KeyboardInterrupt:
         doc["error"] = "interrupted"
     except Exception:
