@@ -87,17 +87,21 @@ class _Stager:
         (rows with the gaps between them) goes over in one DMA from the pinned arena, and
         the rows are picked (and cast into ``dst``'s dtype) there.  That beats gathering
         rows on the host into a bucket while the spans are at most ``DEVICE_SPAN_MAX``
-        times the bytes needed (a dim-1 half of a matrix: 2x).  False: not done, stage."""
+        times the bytes needed (a dim-1 half of a matrix: 2x) and lie in pinned memory
+        (the arena, not a private receive buffer).  False: not done, stage."""
         if dst.device.type not in DEVICE_TYPES or not nbytes:
             return False
-        spans = [so + (rows - 1) * ss + n - so for _pid, so, _do, n, rows, ss, _ds in ops]
+        spans = [(rows - 1) * ss + n for _pid, _so, _do, n, rows, ss, _ds in ops]
         if sum(spans) > DEVICE_SPAN_MAX * nbytes:
             return False
         torch = _torch()
+        hosts = [_readable(torch, srcs[op[0]][op[1]:op[1] + span]) for op, span in zip(ops, spans)]
+        if dst.device.type == "cuda" and not all(h.is_pinned() for h in hosts):
+            return False      # (bytes received privately: torch would stage 2x the bytes itself)
         out = dst.view(-1).view(torch.uint8) if dst.dtype == stored else \
             torch.empty(nbytes, dtype=torch.uint8, device=dst.device)
-        for (pid, so, do, n, rows, ss, ds), span in zip(ops, spans):
-            src = _readable(torch, srcs[pid][so:so + span]).to(dst.device, non_blocking=True)
+        for (_pid, _so, do, n, rows, ss, ds), host in zip(ops, hosts):
+            src = host.to(dst.device, non_blocking=True)
             out.as_strided((rows, n), (ds, 1), do).copy_(src.as_strided((rows, n), (ss, 1)))
         if out.data_ptr() != dst.data_ptr():
             dst.copy_(out.view(stored).view(shape))   # the cast, on the device
