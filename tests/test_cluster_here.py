@@ -91,6 +91,31 @@ def test_large_writes_to_the_own_member_skip_the_socket_and_read_back_everywhere
         assert sent(lambda: s.put(key_owned_by(s, n1.member_id, "f"), big, tier=Tier.DRAM)) >= BIG
 
 
+def test_batched_large_writes_to_the_own_member_skip_the_socket(harness):
+    """mset and mput_raw make their large values for this node's member in place too; the
+    rest of the batch (another node's keys, small values) is sent; a key written twice in
+    one batch is sent, and its later value wins."""
+    n1, n2 = harness.start(2)
+    url = f"etcd://{harness.etcd.endpoint}/{harness.cluster}"
+    big = np.arange(BIG // 8, dtype=np.int64)
+    with TieredStore(n1.name, cluster=url, replicas=1, lease_ttl=2.0) as s, harness.client(replicas=1) as c:
+        harness.wait_members(s, 2)
+        harness.wait_members(c, 2)
+        a, b, d, e = (key_owned_by(s, n1.member_id, p) for p in ("a", "b", "d", "e"))
+        theirs = key_owned_by(s, n2.member_id, "t")
+        assert sent(lambda: s.mset({a: big, b: big + 1, "small": b"x" * 100})) < BIG // 4
+        assert sent(lambda: s.mset([(theirs, big), (a, big + 2)])) >= BIG                # theirs: sent
+        meta = codec.array_meta(np.dtype(np.int64), big.shape)
+        assert sent(lambda: s.mput_raw([(d, meta, (big + 3).tobytes(), BIG)])) < BIG // 4
+        assert sent(lambda: s.mset([(e, b"y" * 10), (e, big + 4)])) >= BIG               # twice: sent
+        for store in (s, c):
+            for k, want in ((a, big + 2), (b, big + 1), (d, big + 3), (e, big + 4), (theirs, big)):
+                np.testing.assert_array_equal(store[k], want)
+            assert bytes(store["small"]) == b"x" * 100
+        held = n1.keys()
+        assert all(held[k] > (0, 0) for k in (a, b, d, e))
+
+
 def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path, monkeypatch):
     """With two copies, an ASYNC write's one target is this node's member: it is made in
     place, and the member's forwarder copies it to the key's other owner, same version."""

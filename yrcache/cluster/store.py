@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from .member import NODE_PREFIX, Node
 from .records import Mirror, SharedWord
 from .settings import ENV_TRUE, check_tier, env_int, parse_cluster
 from .joining import Joining
-from .sharing import NodeSharing
+from .sharing import HERE_MIN, NodeSharing
 from .replication import Router, decode
 
 log = logging.getLogger("yrcache.cluster")
@@ -254,6 +255,16 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         pr, exp, mode = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode)
         router = self._router
         router._need_members()
+        if tier is None and self._local is not None and any(r[3] >= HERE_MIN for r in rows):
+            # large values for this node's member made in place, as put does; a key written
+            # twice in the batch is sent, where the later row gets the later version
+            seen = Counter(k for k, *_ in rows)
+            n = len(rows)
+            rows = [r for r in rows if not (r[3] >= HERE_MIN and seen[r[0]] == 1
+                                            and self._put_here(r[0], r[1], r[3], r[2], pr, exp, mode))]
+            self._ops["puts"] += n - len(rows)
+            if not rows:
+                return
         by_member: dict[str, list] = {}
         flags = 0
         hlc, writer = router.clock.next_many(len(rows)), router.clock.writer
