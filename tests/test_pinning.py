@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from yrcache import TieredStore, pinning
+from yrcache import pinning
 
 
 class FakeRuntime:
