@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Everything yrcache checks on a lent GPU machine, in one call (about 3 minutes; 8 with the rest of the suite).
+# Everything yrcache checks on a lent GPU machine, in one call (about 4 minutes with `quick`,
+# up to 10 with the rest of the suite).
 #
 # That machine has python3 with a CUDA torch, numpy, pytest and most of our
 # dependencies, but no registry: cffi, pycparser, posix_ipc and diskcache travel
