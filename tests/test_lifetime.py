@@ -315,6 +315,33 @@ _RACER = textwrap.dedent("""
 """)
 
 
+def test_a_segment_its_creator_has_not_sized_yet_is_looked_at_again(store_name):
+    """A creator makes the segment (O_EXCL), then sizes it, then locks it; a process that
+    opens it in between finds 0 bytes. Attaching then says the store is being created
+    (StoreNotFoundError, which a cluster node's start-up retries), and creating looks
+    again until the creator is done or gone (here: gone), instead of failing to map it.
+    (test_cluster.py's four-process start met this in CI.)"""
+    import threading
+    import time
+
+    path = f"/dev/shm/yrcache.{store_name}"
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))   # made, not sized
+    try:
+        with pytest.raises(StoreNotFoundError, match="being created"):
+            TieredStore.attach(store_name)
+        gone = threading.Timer(0.3, os.unlink, (path,))                  # its creator gives up
+        gone.start()
+        t0 = time.monotonic()
+        with TieredStore(name=store_name, dram="16MiB") as s:
+            assert time.monotonic() - t0 >= 0.25 and len(s) == 0
+            s["k"] = b"v"
+            assert bytes(s["k"]) == b"v"
+        gone.join()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_concurrent_creators_of_one_name_make_exactly_one_owner(store_name):
     import time
 

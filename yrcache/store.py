@@ -21,7 +21,7 @@ import numpy as np
 
 from . import codec
 from .config import Settings, Tier, WriteMode, default_device, write_mode as _write_mode
-from .errors import StoreClosedError, UntrustedStoreError, YrcacheError
+from .errors import StoreClosedError, StoreNotFoundError, UntrustedStoreError, YrcacheError
 from .mover import Mover
 from .placement import RETRY, Placement
 from .policy import Policy
@@ -126,7 +126,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
 
             device_tier = DeviceTier(st.device or default_device(), st.hbm)   # validates device= first
         self.name = check_name(name) if name is not None else f"yr-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        arena = Arena(self.name, create=True, size=st.dram, prefault=st.prefault, huge_pages=st.huge_pages)
+        arena = _create_arena(self.name, st)
         adopted = not arena.created
         self._arena = arena
         try:
@@ -570,6 +570,19 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             self.close()
         except Exception:
             pass
+
+
+def _create_arena(name: str, st: Settings) -> Arena:
+    """Create the arena, or open the one another process made.  One found between its
+    creator's making and locking it (a moment: not sized or not set up yet) is opened again."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            return Arena(name, create=True, size=st.dram, prefault=st.prefault, huge_pages=st.huge_pages)
+        except StoreNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _attach_by_name(name: str, pickle: bool) -> TieredStore:

@@ -176,6 +176,9 @@ class Arena:
             check_trusted(st, self.path)
             self.size = st.st_size
             self._ident = (st.st_dev, st.st_ino)   # the name may later point elsewhere
+            if not self.size and not self.created:  # its creator has made it, not sized it yet
+                raise StoreNotFoundError(f"{self.path} is being created (no size yet); if no process is "
+                                         f"creating it, remove it with `yrcache destroy {name}`")
             # tmpfs: a first-touch write costs ~10x a write to a resident page, so the creator
             # faults the arena in once, here; an attacher may map it up front (~0.14 s per GiB).
             self.base = self._map_new(prefault) if self.created else lib.yr_map(fd, self.size, int(prefault))
