@@ -6,6 +6,8 @@ version (``ADOPT``), instead of crossing a loopback connection. A real etcd and 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -41,6 +43,19 @@ def key_owned_by(store, member: str, prefix: str) -> str:
     return next(k for k in (f"{prefix}{i}" for i in range(10_000)) if store.owners(k) == [member])
 
 
+@contextlib.contextmanager
+def two_nodes(h, replicas: int = 1):
+    """Two members; a store attached to the first one's arena and a pure client, both
+    seeing both members."""
+    n1, n2 = h.start(2)
+    url = f"etcd://{h.etcd.endpoint}/{h.cluster}"
+    with TieredStore(n1.name, cluster=url, replicas=replicas, lease_ttl=2.0) as s, \
+            h.client(replicas=replicas) as c:
+        h.wait_members(s, 2)
+        h.wait_members(c, 2)
+        yield n1, n2, s, c
+
+
 def sent(fn) -> int:
     before = loopback_bytes()
     fn()
@@ -52,13 +67,9 @@ def test_large_writes_to_the_own_member_skip_the_socket_and_read_back_everywhere
     (almost) no bytes over loopback, the member lists them at a version, and the other
     node and a pure client read them; a key owned elsewhere, a small value, a tier hint
     and a key the arena already holds are sent as before; every write reads back."""
-    n1, n2 = harness.start(2)
-    url = f"etcd://{harness.etcd.endpoint}/{harness.cluster}"
     big = np.arange(BIG // 8, dtype=np.int64)
-    with TieredStore(n1.name, cluster=url, replicas=1, lease_ttl=2.0) as s, harness.client(replicas=1) as c:
+    with two_nodes(harness) as (n1, n2, s, c):
         assert s.role == "attached"
-        harness.wait_members(s, 2)
-        harness.wait_members(c, 2)
         mine, mine2, mine3 = (key_owned_by(s, n1.member_id, p) for p in ("a", "b", "c"))
         theirs = key_owned_by(s, n2.member_id, "d")
         assert sent(lambda: s.put(mine, big)) < BIG // 4
@@ -95,12 +106,8 @@ def test_batched_large_writes_to_the_own_member_skip_the_socket(harness):
     """mset and mput_raw make their large values for this node's member in place too; the
     rest of the batch (another node's keys, small values) is sent; a key written twice in
     one batch is sent, and its later value wins."""
-    n1, n2 = harness.start(2)
-    url = f"etcd://{harness.etcd.endpoint}/{harness.cluster}"
     big = np.arange(BIG // 8, dtype=np.int64)
-    with TieredStore(n1.name, cluster=url, replicas=1, lease_ttl=2.0) as s, harness.client(replicas=1) as c:
-        harness.wait_members(s, 2)
-        harness.wait_members(c, 2)
+    with two_nodes(harness) as (n1, n2, s, c):
         a, b, d, e = (key_owned_by(s, n1.member_id, p) for p in ("a", "b", "d", "e"))
         theirs = key_owned_by(s, n2.member_id, "t")
         assert sent(lambda: s.mset({a: big, b: big + 1, "small": b"x" * 100})) < BIG // 4
@@ -121,12 +128,8 @@ def test_an_async_write_made_in_place_reaches_the_other_owner(etcd, tmp_path, mo
     place, and the member's forwarder copies it to the key's other owner, same version."""
     h = ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="2")
     try:
-        n1, n2 = h.start(2)
-        url = f"etcd://{etcd.endpoint}/{h.cluster}"
         big = np.arange(BIG // 8, dtype=np.int64)
-        with TieredStore(n1.name, cluster=url, replicas=2, lease_ttl=2.0) as s, h.client(replicas=2) as c:
-            h.wait_members(s, 2)
-            h.wait_members(c, 2)
+        with two_nodes(h, replicas=2) as (n1, n2, s, c):
             adopted, adopt = [], tp.Peer.adopt
             monkeypatch.setattr(tp.Peer, "adopt", lambda self, key, *a, **k: (adopted.append(key),
                                                                              adopt(self, key, *a, **k))[1])
