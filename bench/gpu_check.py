@@ -223,6 +223,9 @@ def run_rl(args, torch, doc: dict, cleanup: U.Cleanup) -> None:
     cleanup.add(f"destroy store {name}", lambda: U.destroy_store(name))
     store = TieredStore(name=name, dram=4 * n * rows * cols * 2 + 64 * MiB)
     cleanup.add(f"close store {name}", store.destroy)
+    t0 = pc()
+    store.pin_host_memory()      # what the first publish or fetch with device tensors pays, once
+    doc["env"]["rl_pin_host_memory"] = f"{(pc() - t0) / 1e6:.1f} ms for {U.fmt_size(store.stats()['tiers']['dram']['capacity'])}"
     gen = torch.Generator(device=dev).manual_seed(5)
     state = {f"w{i}": torch.randn(rows, cols, device=dev, generator=gen) for i in range(n)}
     pub, sub = WeightPublisher(store, "gpu-check"), WeightSubscriber(store, "gpu-check")
