@@ -2,10 +2,11 @@
 
 Every test runs on "cpu" and, where CUDA is present, on "cuda:0".  On a machine
 without a GPU the cuda cases are skipped; the cpu cases run the same publish and
-fetch code (sources, casts, staging buckets, flushes), minus the CUDA copies
-themselves: the D2H of a device source, the pinned staging buckets whose H2D copies
-run asynchronously, and ``cudaHostRegister`` of the arena.  Those run where a GPU is
-lent (``bench/gpu_session.sh`` runs this file there, with ``bench/gpu_check.py``).
+fetch code (sources, casts, staging buckets, flushes, and the gather on a CUDA
+destination's device, forced onto the CPU), minus the CUDA copies themselves: the D2H
+of a device source, the asynchronous H2D copies, and ``cudaHostRegister`` of the
+arena.  Those run where a GPU is lent (``bench/gpu_session.sh`` runs this file there,
+with ``bench/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ def test_publish_from_and_fetch_into_device_tensors(make_store, device, gather):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_staging_buckets_are_reused_only_after_their_copies_finish(make_store, device, gather, monkeypatch):
-    """Destinations that need a cast go through host buckets; with a bucket far smaller
-    than the fetch, each one is refilled many times within one fetch and across fetches.
-    On CUDA the copies out of a bucket are asynchronous: a bucket refilled before its
-    copies finished would leave other tensors' bytes in a destination."""
+    """Destinations that need a cast, staged: with a bucket far smaller than the fetch,
+    each one is refilled many times within one fetch and across fetches. On CUDA the
+    copies out of a bucket are asynchronous: a bucket refilled before its copies finished
+    would leave other tensors' bytes in a destination. Gathered on the device: many
+    asynchronous span copies and casts in a row, all done when fetch returns."""
     monkeypatch.setattr(W, "BUCKET_BYTES", 256 << 10)
     store = make_store(dram="64MiB")
     fulls = {f"t{i}": torch.arange(i, i + 96 * 1000, dtype=torch.float32).reshape(96, 1000) * (i + 1)
