@@ -98,3 +98,30 @@ def test_a_forked_child_leaves_its_parents_registration_alone(make_store, cuda):
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert cuda.regs == {a.addr: a.size}
+
+
+def _cuda_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _cuda_present(), reason="no CUDA device (the fake runtime above covers the same code)")
+def test_on_a_gpu_a_store_made_after_a_pinned_one_keeps_device_copies(store_name):
+    """The bug itself, on a real GPU: stores of one size made one after another in a process
+    usually get the same address (mmap reuses the hole); each one's CUDA round trip must
+    read back what was put (on an H200 the second read back zeros before the fix)."""
+    import torch
+
+    from yrcache import TieredStore
+
+    for i in range(4):
+        with TieredStore(name=f"{store_name}-{i}", dram="64MiB") as s:
+            t = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + i
+            s.put("t", t)                                    # D2H straight into the pinned arena
+            assert torch.equal(s.get("t").cuda(), t), f"store {i}: the device copy went elsewhere"
+            out = torch.empty_like(t)
+            s.get_into("t", out)                             # H2D out of it
+            assert torch.equal(out, t)
