@@ -5,9 +5,9 @@ CUDA keys registrations by virtual address: a mapping unmapped while registered 
 a registration behind, and a later mapping at that address then takes device copies
 into the old pages (on an H200 a CUDA tensor put into a second store read back as
 zeros).  These tests run everywhere against a fake CUDA runtime that keeps
-registrations by address the same way; on a GPU the real runtime is covered by
-tests/store_suite.py's CUDA round trips and tests/test_rl_device.py, which create and
-close many stores in one process.
+registrations by address the same way; on a GPU the last test runs the case itself
+(so do tests/store_suite.py's CUDA round trips and tests/test_rl_device.py, which make
+and close many stores in one process).
 """
 
 from __future__ import annotations
