@@ -56,11 +56,13 @@ def register(arena: Any) -> bool:
     (logged once: copies then run at pageable speed, and stay correct).
     """
     pid = os.getpid()
-    if getattr(arena, "cuda_pinned_by", 0) == pid:
-        return True
-    if getattr(arena, "cuda_refused_for", 0) == pid:
-        return False
-    arena.cuda_refused_for = pid           # until it works
+    done = getattr(arena, "cuda_pin", None)        # (pid, registered?) of the last try
+    if done is None or done[0] != pid:
+        done = arena.cuda_pin = (pid, _register(arena))
+    return done[1]
+
+
+def _register(arena: Any) -> bool:
     try:
         torch = _cuda()
         if torch is None:
@@ -79,16 +81,15 @@ def register(arena: Any) -> bool:
         log.warning("store %r: cudaHostRegister of its %d-byte arena failed (CUDA error %d); "
                     "copies between it and the GPU run at pageable speed", arena.name, arena.size, err)
         return False
-    arena.cuda_pinned_by = pid
     return True
 
 
 def unregister(arena: Any) -> None:
     """Undo :func:`register` before ``arena`` is unmapped (only in the process that made it);
     device copies still running into or out of the mapping finish first."""
-    if getattr(arena, "cuda_pinned_by", 0) != os.getpid():
+    if getattr(arena, "cuda_pin", None) != (os.getpid(), True):
         return
-    arena.cuda_pinned_by = 0
+    arena.cuda_pin = None
     try:
         torch = _cuda()
         torch.cuda.synchronize()
