@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from yrcache import StoreClosedError
 from yrcache.rl import Fused, Shard, WeightPublisher, WeightSubscriber
 from yrcache.rl import subscribe as W
 
@@ -303,7 +304,52 @@ def test_publish_validation_and_wait(make_store):
     p0.publish({"w": t}, version=4, layout={"w": Shard(0, 0, 2)})
     with pytest.raises(ValueError, match="not on rank 0"):
         p1.publish({"w": t, "z": t}, version=4, layout={"w": Shard(0, 1, 2)})
+    p0.publish({"w": t}, version=5, layout={"w": Shard(0, 0, 2)})
+    with pytest.raises(ValueError, match=r"version 5 of 'policy': tensor 'w': rank 1 part \(4, 3\) differs"):
+        p1.publish({"w": torch.ones(4, 3)}, version=5, layout={"w": Shard(0, 1, 2)})
+    with pytest.raises(TimeoutError, match="version 5 can never complete, its ranks disagree: .*tensor 'w'"):
+        sub.wait(newer_than=2, timeout=0)   # and a waiter is told why (not "in flight")
     assert sub.latest() == 2
+
+
+def test_publish_and_fetch_refuse_what_they_cannot_store_before_writing(make_store):
+    """Bad arguments are refused up front, with the fix in the message, and leave no keys."""
+    store = make_store()
+    pub, sub = WeightPublisher(store, "policy"), WeightSubscriber(store, "policy")
+    w = torch.tensor([0.4, 1.7, -2.6, 300.0])
+    for dt in (torch.int8, torch.bool, np.int32, torch.complex64):   # would truncate or wrap
+        with pytest.raises(TypeError, match="not a floating-point dtype"):
+            pub.publish({"w": w}, version=1, dtype=dt)
+    with pytest.raises(TypeError, match="floating-point dtype"):
+        pub.publish({"w": w}, version=1, dtype="bfloat17")
+    with pytest.raises(ValueError, match=r"0\.\.2\*\*63-1"):
+        pub.publish({"w": w}, version=2 ** 63)
+    with pytest.raises(ValueError, match=r"tensor name 'xxx.*may be at most \d+.*shorten"):
+        pub.publish({"w": w, "x" * 1000: w}, version=1)
+    assert list(store.keys()) == []                              # nothing begun, nothing written
+    assert pub.publish({"w": w}, version=2 ** 63 - 1) is True    # the largest version
+    assert sub.latest() == 2 ** 63 - 1
+    assert same(sub.fetch(2 ** 63 - 1, dtype=torch.float16)["w"], w.half())
+    with pytest.raises(TypeError, match="not a floating-point dtype"):
+        sub.fetch(2 ** 63 - 1, dtype=torch.int32)
+    for bad in ("n" * 129, "\u00e9" * 65, "", "a/b"):             # 129 and 130 UTF-8 bytes
+        for cls in (WeightPublisher, WeightSubscriber):
+            with pytest.raises(ValueError, match="1-128 UTF-8 bytes without '/'"):
+                cls(store, bad)
+    longest = "\u00e9" * 64                                      # 128 bytes: its records fit
+    WeightPublisher(store, longest).publish({"w": w}, version=1)
+    assert WeightSubscriber(store, longest).wait(timeout=1) == 1
+
+
+def test_a_closed_store_is_not_read(make_store):
+    store = make_store()
+    pub, sub = WeightPublisher(store, "policy"), WeightSubscriber(store, "policy")
+    pub.publish({"w": torch.ones(3)}, version=1)
+    store.close()
+    for call in (sub.latest, sub.versions, lambda: sub.wait(timeout=0), lambda: sub.wait(newer_than=0),
+                 pub.latest):
+        with pytest.raises(StoreClosedError, match="closed"):
+            call()
 
 
 def test_failed_publish_leaves_nothing(make_store):

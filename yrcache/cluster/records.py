@@ -167,14 +167,15 @@ class SharedWord:
 
     def _etcd(self, fn: Any, *args: Any) -> Any:
         """One etcd call, retried while etcd is unreachable (a restart) for up to RETRY_S."""
-        deadline, pause = time.monotonic() + RETRY_S, 0.05
+        start, pause = time.monotonic(), 0.05
+        deadline = start + RETRY_S
         while True:
             try:
                 return fn(*args)
             except Exception as e:      # noqa: BLE001 - grpc and pyetcd errors alike
                 if time.monotonic() + pause > deadline:
                     raise ClusterUnavailableError(
-                        f"etcd did not answer for {RETRY_S:g} s updating shared word {self.name!r}: {e!r}") from e
+                        f"etcd did not answer for {time.monotonic() - start:.0f} s updating shared word {self.name!r}: {e!r}") from e
                 time.sleep(pause)
                 pause = min(pause * 2, 0.5)
 

@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
+from ..errors import StoreClosedError
 from .reshard import Part, publish_parts, replicated_parts
 
 #: Keys under this prefix belong to ``yrcache.rl``.
@@ -29,9 +30,15 @@ RESERVED_PREFIX = "__rl__/"
 FORMAT = 2          # of manifests and completion markers
 
 
+MAX_NAME_BYTES = 128             # a weight set's name (its records are words of <= 200 bytes)
+
+
 def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\x00" in name:
-        raise ValueError(f"weight set name must be a non-empty str without '/' or NUL, got {name!r}")
+    if not isinstance(name, str) or "/" in name or "\x00" in name \
+            or not 0 < len(name.encode(errors="replace")) <= MAX_NAME_BYTES:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 60 else f"{name[:60]!r}... ({len(name)} chars)"
+        raise ValueError(f"a weight set name is a str of 1-{MAX_NAME_BYTES} UTF-8 bytes without '/' or "
+                         f"NUL, such as 'policy'; got {shown}")
     return name
 
 
@@ -48,6 +55,12 @@ class VersionBoard:
         self.name = _check_name(name)
         self.prefix = f"{RESERVED_PREFIX}{name}/"
         self._word = self._head = None
+
+    def check_open(self) -> None:
+        """Raise ``StoreClosedError`` once the store is closed (the records are its words)."""
+        if getattr(self.store, "closed", False):
+            raise StoreClosedError(f"the store of weight set {self.name!r} is closed; open it again "
+                                   f"(TieredStore(name=...)) and make a new publisher or subscriber")
 
     # ---------------------------------------------------------------- keys
     def version_prefix(self, version: int) -> str:
@@ -171,9 +184,10 @@ class VersionBoard:
         v = self.wake_word.value
         return v - 1 if v else None
 
-    def in_flight(self) -> tuple[int, int, list[int]] | None:
-        """``(version, world, ranks whose manifest is missing)`` of the newest version begun
-        but not complete, or None (nothing in flight, or its begin record is gone)."""
+    def in_flight(self) -> tuple[int, int, list[int], str] | None:
+        """``(version, world, ranks whose manifest is missing, what holds it up when none is)``
+        of the newest version begun but not complete, or None (nothing in flight, or its
+        begin record is gone)."""
         head, latest = self.head(), self.latest()
         if head is None or (latest is not None and head <= latest):
             return None
@@ -181,7 +195,19 @@ class VersionBoard:
         if started is None:
             return None
         world = started[1]
-        return head, world, [r for r, m in enumerate(self.rank_manifests(head, world)) if m is None]
+        manifests = self.rank_manifests(head, world)
+        missing = [r for r, m in enumerate(manifests) if m is None]
+        why = ""
+        if not missing:
+            try:
+                merge_manifests(manifests, self.name, head)   # type: ignore[arg-type]
+                why = ("is complete, but the rank that completed it died before raising the record; "
+                       "the next publish of any rank makes it visible") if self.is_complete(head) else \
+                    ("has every rank's manifest but no completion marker: its last rank is completing "
+                     "it, or died doing so (the next publish of any rank completes it)")
+            except ValueError as e:
+                why = f"can never complete, its ranks disagree: {e}"
+        return head, world, missing, why
 
     def head(self) -> int | None:
         """The newest version any rank has started publishing (>= ``latest()``)."""
@@ -295,6 +321,10 @@ def _dtype_itemsize(kind: str, dtype: str) -> int:
     return np.dtype(dtype).itemsize
 
 
+def _how(entry: dict) -> str:
+    return "replicated (no layout entry)" if entry["dim"] is None else f"split on dim {entry['dim']}"
+
+
 def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -> dict[str, _Tensor]:
     """Merge the per-rank manifests of one version into ``{tensor: _Tensor}``.
 
@@ -316,9 +346,9 @@ def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -
         for r, e in have:
             if (e["kind"], e["dtype"]) != (e0["kind"], e0["dtype"]) or e["dim"] != e0["dim"]:
                 raise ValueError(
-                    f"version {version} of {name!r}: tensor {t!r} is {e['kind']}/{e['dtype']} split on "
-                    f"dim {e['dim']} on rank {r} but {e0['kind']}/{e0['dtype']} on dim {e0['dim']} on "
-                    f"rank {r0}; every rank must publish it alike")
+                    f"version {version} of {name!r}: tensor {t!r} is {e['kind']}/{e['dtype']} {_how(e)} on "
+                    f"rank {r} but {e0['kind']}/{e0['dtype']} {_how(e0)} on rank {r0}; every rank must "
+                    "publish it alike (the same dtype and layout entry)")
         itemsize = _dtype_itemsize(e0["kind"], e0["dtype"])
         if e0["dim"] is None:
             if r0 != 0 or e0["key"] is None:
@@ -340,7 +370,10 @@ def merge_manifests(manifests: list[dict], name: str = "?", version: int = -1) -
                 raise ValueError(f"version {version} of {name!r}: sharded tensor {t!r} is missing on "
                                  f"rank(s) {missing}; every rank must publish its part (it may be empty)")
             shapes = [tuple(e["shape"]) for _, e in entries]
-            parts = publish_parts(shapes, e0["dim"])
+            try:
+                parts = publish_parts(shapes, e0["dim"])
+            except ValueError as err:
+                raise ValueError(f"version {version} of {name!r}: tensor {t!r}: {err}") from None
             gshape = list(shapes[0])
             gshape[e0["dim"]] = sum(s[e0["dim"]] for s in shapes)
             out[t] = _Tensor(e0["kind"], e0["dtype"], itemsize, tuple(gshape), tuple(parts))

@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import codec
 from ..errors import ClusterUnavailableError
+from ..validate import MAX_KEY_BYTES, key_bytes
 from .remote import pool
 from .board import FORMAT, VersionBoard, encode_structure, merge_manifests
 from ..types import Array, DType
@@ -35,15 +36,39 @@ def _torch():
     return codec._torch()
 
 
+MAX_VERSION = 2 ** 63 - 1        # a step counter's range (int64); the records hold version + 1
+
+
 def _check_version(version: Any) -> int:
-    if type(version) is int and 0 <= version < 10 ** 20:
+    if type(version) is int and 0 <= version <= MAX_VERSION:
         return version
     if isinstance(version, bool) or not isinstance(version, (int, np.integer)):
         raise TypeError(f"version must be a non-negative int, got {type(version).__name__} {version!r}")
     version = int(version)
-    if version < 0 or version >= 10 ** 20:
-        raise ValueError(f"version must be in 0..10**20-1, got {version}")
+    if version < 0 or version > MAX_VERSION:
+        raise ValueError(f"version must be in 0..2**63-1 (an int64 step counter), got {version}")
     return version
+
+
+def _check_cast(dtype: Any) -> Any:
+    """``dtype=`` of publish and fetch: None, or the floating-point dtype to cast
+    floating-point tensors to (integer and bool tensors are never cast)."""
+    if dtype is None:
+        return None
+    if _is_torch_dtype(dtype):
+        floating = dtype.is_floating_point
+    else:
+        try:
+            floating = np.dtype(dtype).kind == "f"
+        except TypeError:
+            raise TypeError(f"dtype must be a torch or numpy floating-point dtype (torch.bfloat16, "
+                            f"np.float16, ...), got {dtype!r}") from None
+    if not floating:
+        raise TypeError(f"dtype={dtype} is not a floating-point dtype: dtype= casts floating-point "
+                        f"tensors (fp32 -> bf16) and leaves integer and bool ones as they are; to "
+                        f"convert weights to {dtype}, convert them yourself before publishing or "
+                        f"after fetching")
+    return dtype
 
 
 class _Source(NamedTuple):
@@ -216,6 +241,7 @@ class WeightPublisher:
         """
         t0 = time.perf_counter()
         version = _check_version(version)
+        dtype = _check_cast(dtype)
         if self.last_version is not None and version <= self.last_version:
             raise ValueError(f"version {version} of {self.name!r} is not newer than this rank's last "
                              f"published version {self.last_version}; versions must increase")
@@ -223,6 +249,14 @@ class WeightPublisher:
         if latest is not None and version <= latest:
             raise ValueError(f"version {version} of {self.name!r} is not newer than the latest complete "
                              f"version {latest}; versions are immutable, publish a higher one")
+        if self.last_version is None and self.board.is_complete(version):
+            # A restarted rank, and the version's last rank died between its marker and the
+            # record: the version is complete (with the parts the dead ranks wrote); show it.
+            if self.board.complete(version):
+                self._reclaim()
+            raise ValueError(f"version {version} of {self.name!r} is already complete (the rank that "
+                             f"completed it died before making it visible; it is visible now); versions "
+                             f"are immutable, publish a higher one")
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping of name -> tensor, not {type(state).__name__}")
         layout = dict(layout or {})
@@ -236,17 +270,6 @@ class WeightPublisher:
             if (spec.index, spec.count) != (self.rank, self.world):
                 raise ValueError(f"layout[{t!r}] = {spec} on rank {self.rank} of {self.world}: a publish "
                                  f"Shard must be Shard(dim, index={self.rank}, count={self.world})")
-        sources = []
-        for t, value in state.items():
-            if not isinstance(t, str) or not t:
-                raise ValueError(f"state dict keys must be non-empty str, got {t!r}")
-            src = _source(t, value, dtype)
-            spec = layout.get(t)
-            dim = None if spec is None else spec.resolve_dim(len(src.shape))
-            sources.append((t, src, dim))
-
-        if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
-            self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         # The nonce tells this publisher's parts from those of another process publishing
         # the same rank and version (a restarted or misconfigured one). It is the same for
         # every version, so markers of an unchanged model are the same bytes, which a
@@ -254,6 +277,19 @@ class WeightPublisher:
         if self._nonce[1] != os.getpid():
             self._nonce = (os.urandom(6).hex(), os.getpid())
         nonce = self._nonce[0]
+        sources = []
+        for t, value in state.items():
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"state dict keys must be non-empty str, got {t!r}")
+            if len(t) > 200:      # shorter ones always fit (a name of <= 128 bytes, a rank < 10**6)
+                self._check_key_room(version, nonce, t)
+            src = _source(t, value, dtype)
+            spec = layout.get(t)
+            dim = None if spec is None else spec.resolve_dim(len(src.shape))
+            sources.append((t, src, dim))
+
+        if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):
+            self.store.pin_host_memory()   # the D2H copies below then run at pinned speed
         # Nothing of the version is visible before its manifest: a write that failed for want
         # of a member is tried again once the member set has changed.
         written, tensors, placement, nbytes = self._settled(self._write, version, sources, nonce)
@@ -292,6 +328,17 @@ class WeightPublisher:
         self.last_publish_stats = {"bytes_written": nbytes, "parts": len(written),
                                    "seconds": time.perf_counter() - t0, "complete": visible}
         return visible
+
+    def _check_key_room(self, version: int, nonce: str, tensor: Any) -> None:
+        """Refuse, before anything is written, a tensor name too long for its part's key."""
+        try:
+            key_bytes(self.board.part_key(version, self.rank, nonce, tensor))
+        except ValueError:
+            room = MAX_KEY_BYTES - len(self.board.part_key(version, self.rank, nonce, "").encode())
+            raise ValueError(f"tensor name {tensor[:60]!r}... is {len(tensor.encode(errors='replace'))} "
+                             f"UTF-8 bytes; in weight set {self.name!r} a tensor name may be at most "
+                             f"{room} (its part's key holds the set's name too, and keys are at most "
+                             f"{MAX_KEY_BYTES} bytes): shorten the name") from None
 
     def _settled(self, fn: Any, *args: Any) -> Any:
         """``fn(*args)``; over a cluster, again each time the member set changes while it
@@ -427,6 +474,7 @@ class WeightPublisher:
 
     def latest(self) -> int | None:
         """The newest complete version of this weight set, or None."""
+        self.board.check_open()
         return self.board.latest()
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import buffers, codec
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
-from .publish import _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
+from .publish import _check_cast, _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
 from .remote import PartsUnavailable, direct_slots, drop_older, fetch_parts, is_remote, plan_spans, pool
 from .reshard import Fused, Shard, _Plan, _compile, _run_plan, plan_fused, plan_shard
@@ -160,10 +160,12 @@ class WeightSubscriber:
 
     def latest(self) -> int | None:
         """The newest complete version, or None when nothing is published yet."""
+        self.board.check_open()
         return self.board.latest()
 
     def versions(self) -> list[int]:
         """Every version readable now (complete and not reclaimed), ascending."""
+        self.board.check_open()
         return self.board.complete_versions()
 
     def wait(self, newer_than: int | None = None, timeout: float | None = None,
@@ -177,6 +179,7 @@ class WeightSubscriber:
         ``TimeoutError`` after ``timeout`` seconds.  Sleeps on a futex in the
         arena: wakes well under a millisecond after the publish, no polling.
         """
+        self.board.check_open()
         if newer_than is not None:
             newer_than = _check_version(newer_than)
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
@@ -224,9 +227,9 @@ class WeightSubscriber:
             return ""
         if got is None:
             return ""
-        version, world, missing = got
+        version, world, missing, why = got
         return (f"; version {version} is in flight, waiting for rank(s) {', '.join(map(str, missing))} "
-                f"of world={world} to publish it") if missing else f"; version {version} is being completed"
+                f"of world={world} to publish it") if missing else f"; version {version} {why}"
 
     def _prepare(self, version: int) -> None:
         """Plan a whole-state fetch of ``version`` once, while ``wait`` would sleep anyway.
@@ -385,6 +388,7 @@ class WeightSubscriber:
         """
         t0 = time.perf_counter()
         version = _check_version(version)
+        dtype = _check_cast(dtype)
         plain = not into and dtype is None
         snap = self._snapshot(version, plain) if layout is None and not self._remote else None
         if snap is not None:
