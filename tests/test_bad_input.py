@@ -189,6 +189,36 @@ def test_sparse_tensor_raises_typeerror(store):
     assert "sp" not in store
 
 
+def _odd_tensors():
+    torch = pytest.importorskip("torch")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # torch warns that nested tensors are a prototype
+        return {
+            "quantized": (torch.quantize_per_tensor(torch.randn(4), 0.1, 3, torch.quint8), "scale and zero point"),
+            "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
+            "jagged": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)], layout=torch.jagged), "nested"),
+            "meta": (torch.empty(3, device="meta"), "meta tensor has no data"),
+        }
+
+
+@pytest.mark.parametrize("kind", ["quantized", "nested", "jagged", "meta"])
+def test_tensors_whose_bytes_are_not_the_value_are_refused(store, kind):
+    """Their bytes alone would read back as something else (a quantized tensor without its scale
+    and zero point was read back as an unusable quint8 tensor), or they have none."""
+    value, says = _odd_tensors()[kind]
+    with pytest.raises(TypeError, match=says):
+        store["t"] = value
+    assert "t" not in store
+
+
+def test_get_into_a_tensor_without_memory_of_its_own_is_refused(store):
+    torch = pytest.importorskip("torch")
+    store["t"] = torch.ones(3)
+    with pytest.raises(ValueError, match="cannot write into a meta tensor"):
+        store.get_into("t", torch.empty(3, device="meta"))
+
+
 @pytest.mark.parametrize("make", UNSUPPORTED + [pytest.param(p.values[0], id=p.id)
                                                 for p in UNSUPPORTED_DTYPES])
 def test_pickle_store_accepts_arbitrary_objects(make_store, make):

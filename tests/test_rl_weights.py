@@ -322,6 +322,8 @@ def test_publish_and_fetch_refuse_what_they_cannot_store_before_writing(make_sto
             pub.publish({"w": w}, version=1, dtype=dt)
     with pytest.raises(TypeError, match="floating-point dtype"):
         pub.publish({"w": w}, version=1, dtype="bfloat17")
+    with pytest.raises(TypeError, match="'q' is quantized"):
+        pub.publish({"w": w, "q": torch.quantize_per_tensor(w, 0.1, 3, torch.quint8)}, version=1)
     with pytest.raises(ValueError, match=r"0\.\.2\*\*63-1"):
         pub.publish({"w": w}, version=2 ** 63)
     with pytest.raises(ValueError, match=r"tensor name 'xxx.*may be at most \d+.*shorten"):

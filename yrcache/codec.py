@@ -129,17 +129,28 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         # (each torch call costs ~0.1-2 us: the cheap checks first, the costly calls only when needed)
         t = value.detach() if value.requires_grad else value
         if not t.is_cpu:
+            if t.is_meta:
+                return _fallback(value, allow_pickle, "a meta tensor has no data to store; materialize "
+                                 "it first (load its weights, or torch.empty_like(t, device='cpu'))")
             t = t.cpu()
         torch = _torch()
         if t.layout is not torch.strided:
-            return _fallback(value, allow_pickle, "sparse tensors are not supported; call .to_dense()")
+            return _fallback(value, allow_pickle, _NESTED if t.is_nested else
+                             "sparse tensors are not supported; call .to_dense()")
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
-        sig = (t.dtype, t.shape)
+        try:
+            sig = (t.dtype, t.shape)
+        except RuntimeError:            # a nested tensor has no one shape
+            if t.is_nested:
+                return _fallback(value, allow_pickle, _NESTED)
+            raise
         meta = _tensor_metas.get(sig)
         if meta is None:
+            if t.is_quantized:          # (only tensors of a quantized dtype, never cached)
+                return _fallback(value, allow_pickle, _QUANTIZED)
             meta = tensor_meta(t.dtype, t.shape)
             if len(_tensor_metas) < 4096:
                 _tensor_metas[sig] = meta
@@ -153,6 +164,13 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
     return _fallback(value, allow_pickle,
                      f"cannot store a {type(value).__name__}: store bytes, numpy arrays or torch "
                      "tensors, or create the store with pickle=True for other objects")
+
+
+_NESTED = ("nested tensors are not supported; store t.to_padded_tensor(0) and the lengths, "
+           "or each of t.unbind() under its own key")
+_QUANTIZED = ("quantized tensors are not supported: their scale and zero point would be lost; store "
+              "t.dequantize(), or t.int_repr() with t.q_scale() and t.q_zero_point() (or the "
+              "per-channel ones) under keys of their own")
 
 
 def tensor_meta(dtype: Any, shape) -> bytes:
@@ -443,6 +461,9 @@ def check_into(key: str, meta: bytes, out: Any, nbytes: int) -> None:
     if tensor_out:
         if out.layout != _torch().strided:
             raise ValueError(where + "get_into needs a dense output tensor, not a sparse one")
+        if out.is_meta or out.is_quantized:
+            raise ValueError(where + f"get_into cannot write into a {'meta' if out.is_meta else 'quantized'} "
+                             "tensor; pass a CPU or device tensor with memory of its own")
         if not out.is_contiguous():
             raise ValueError(where + "get_into needs a contiguous output tensor "
                              "(read into a contiguous one, then copy it over)")

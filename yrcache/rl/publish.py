@@ -113,8 +113,11 @@ def _source(tname: str, value: Any, dtype: Any) -> _Source:
         value = _torch().from_numpy(np.ascontiguousarray(value))  # cast to a torch dtype (bf16)
     if codec.is_tensor(value):
         t = value.detach()
-        if t.layout != _torch().strided:
-            raise TypeError(f"tensor {tname!r} is sparse; call .to_dense() before publishing")
+        if t.layout != _torch().strided or t.is_nested or t.is_quantized or t.is_meta:
+            what = ("nested" if t.is_nested else "quantized" if t.is_quantized else "a meta tensor" if t.is_meta
+                    else "sparse")
+            raise TypeError(f"tensor {tname!r} is {what}; publish dense tensors with data (.to_dense(), "
+                            ".dequantize(), materialized weights)")
         sd = _torch_dtype(dtype) if dtype is not None and t.is_floating_point() else t.dtype
         shape = tuple(t.shape)
         return _Source(t, "torch", str(sd).replace("torch.", ""), shape,
