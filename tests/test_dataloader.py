@@ -468,6 +468,13 @@ def test_keys(make_store):
         CachedDataset(a, store, key="t/{name}")
     with pytest.raises(IndexError):
         CachedDataset(CountingList([1]), store, key="i/")[5]
+    five = CachedDataset(CountingList([0, 1, 2, 3, 4]), store, key="n/")
+    for bad in (-6, -9, 5):          # -6 read sample 4 and cached it as "n/-1"
+        with pytest.raises(IndexError, match=f"index {bad} is out of range for a dataset of 5"):
+            five[bad]
+        with pytest.raises(IndexError):
+            five.__getitems__([0, bad])
+    assert five[-5] == 0 and five.dataset.calls == 1 and not list(store.keys(prefix="n/-"))
     store["clash/0"] = np.zeros(3)
     with pytest.raises(ValueError, match="did not write"):
         CachedDataset(a, store, key="clash/")[0]

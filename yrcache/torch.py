@@ -274,8 +274,10 @@ class CachedDataset(_DatasetBase):
         return len(self.dataset)
 
     def _index(self, index: Any) -> int:
-        i = operator.index(index)
-        return i + len(self.dataset) if i < 0 else i
+        i, n = operator.index(index), len(self.dataset)
+        if not -n <= i < n:       # (-n-1 would read sample n-1 and cache it under a key of its own)
+            raise IndexError(f"index {i} is out of range for a dataset of {n} samples")
+        return i + n if i < 0 else i
 
     def __getitem__(self, index: int) -> Any:
         i = self._index(index)
