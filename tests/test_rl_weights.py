@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -307,9 +308,12 @@ def test_publish_validation_and_wait(make_store):
     p0.publish({"w": t}, version=5, layout={"w": Shard(0, 0, 2)})
     with pytest.raises(ValueError, match=r"version 5 of 'policy': tensor 'w': rank 1 part \(4, 3\) differs"):
         p1.publish({"w": torch.ones(4, 3)}, version=5, layout={"w": Shard(0, 1, 2)})
-    with pytest.raises(TimeoutError, match="version 5 can never complete, its ranks disagree: .*tensor 'w'"):
-        sub.wait(newer_than=2, timeout=0)   # and a waiter is told why (not "in flight")
+    # the completing rank's part is withdrawn: it may publish the version again, fixed
+    with pytest.raises(TimeoutError, match=r"version 5 is in flight, waiting for rank\(s\) 1 of world=2"):
+        sub.wait(newer_than=2, timeout=0)
     assert sub.latest() == 2
+    assert p1.publish({"w": t}, version=5, layout={"w": Shard(0, 1, 2)}) is True
+    assert same(sub.fetch(5)["w"], torch.ones(8, 2))
 
 
 def test_publish_and_fetch_refuse_what_they_cannot_store_before_writing(make_store):
@@ -322,8 +326,11 @@ def test_publish_and_fetch_refuse_what_they_cannot_store_before_writing(make_sto
             pub.publish({"w": w}, version=1, dtype=dt)
     with pytest.raises(TypeError, match="floating-point dtype"):
         pub.publish({"w": w}, version=1, dtype="bfloat17")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")        # torch deprecates making quantized tensors
+        q = torch.quantize_per_tensor(w, 0.1, 3, torch.quint8)
     with pytest.raises(TypeError, match="'q' is quantized"):
-        pub.publish({"w": w, "q": torch.quantize_per_tensor(w, 0.1, 3, torch.quint8)}, version=1)
+        pub.publish({"w": w, "q": q}, version=1)
     with pytest.raises(ValueError, match=r"0\.\.2\*\*63-1"):
         pub.publish({"w": w}, version=2 ** 63)
     with pytest.raises(ValueError, match=r"tensor name 'xxx.*may be at most \d+.*shorten"):

@@ -154,6 +154,10 @@ class VersionBoard:
             self.store.delete(k)
 
     # ------------------------------------------------------------- reading
+    def withdraw(self, version: int, rank: int) -> None:
+        """Delete ``rank``'s manifest of ``version`` (not complete: its ranks disagree)."""
+        self.store.delete(self._manifest_key(version, rank))
+
     def rank_manifests(self, version: int, world: int) -> list[dict | None]:
         """The manifests of ranks ``0..world-1`` of ``version`` (None where missing), one snapshot."""
         raw = self.store.mget([self._manifest_key(version, r) for r in range(world)])
@@ -197,16 +201,11 @@ class VersionBoard:
         world = started[1]
         manifests = self.rank_manifests(head, world)
         missing = [r for r, m in enumerate(manifests) if m is None]
-        why = ""
-        if not missing:
-            try:
-                merge_manifests(manifests, self.name, head)   # type: ignore[arg-type]
-                why = ("is complete, but the rank that completed it died before raising the record; "
-                       "the next publish of any rank makes it visible") if self.is_complete(head) else \
-                    ("has every rank's manifest but no completion marker: its last rank is completing "
-                     "it, or died doing so (the next publish of any rank completes it)")
-            except ValueError as e:
-                why = f"can never complete, its ranks disagree: {e}"
+        why = "" if missing else \
+            ("is complete, but the rank that completed it died before raising the record; the next "
+             "publish of any rank makes it visible") if self.is_complete(head) else \
+            ("has every rank's manifest but no completion marker: its last rank is completing it, or "
+             "died doing so (the next publish of any rank completes it)")
         return head, world, missing, why
 
     def head(self) -> int | None:

@@ -308,9 +308,15 @@ class WeightPublisher:
         # our manifest); the parts go when a newer version retires this one.
         if self.world > 1:       # (with world=1 the version completes now: a late rank of
             self._check_world(version)   # another world finds it complete and stops there)
-        self.last_version = version
+        previous, self.last_version = self.last_version, version
         try:
             visible = self._settled(self._try_complete, version, manifest)
+        except ValueError as e:             # the ranks disagree (merge_manifests): withdraw this
+            self.board.withdraw(version, self.rank)     # rank's part, so it can publish it again
+            self._drop(written)
+            self.last_version = previous
+            raise ValueError(f"{e}. This rank's part of version {version} was withdrawn: publish the "
+                             "version again once the ranks agree, or a newer one") from None
         except BaseException:
             self._pending.add(version)      # the next publish completes it if it can
             raise
