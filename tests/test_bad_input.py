@@ -716,3 +716,12 @@ def test_ssd_size_without_ssd(store_name):
         TieredStore(name=store_name, dram="1MiB", ssd_size="10MiB")
     assert re.search(r"(?i)ssd", str(ei.value)), str(ei.value)
     assert not os.path.exists(shm_path(store_name))
+
+
+@pytest.mark.parametrize("call", ["mget", "mget_raw"])
+def test_a_batch_call_given_one_key_says_so(store, call):
+    """A str is an iterable of its letters: mget("ab") looked up "a" and "b"."""
+    store["a"] = b"x"
+    with pytest.raises(TypeError, match="not one str 'ab'"):
+        getattr(store, call)("ab")
+    assert getattr(store, call)(iter(["a", "b"]))[1] is None    # other iterables still do

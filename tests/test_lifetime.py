@@ -215,10 +215,13 @@ def test_iterator_used_after_destroy_raises(tmp_path, store_name):
 def test_methods_and_iterators_after_close_raise(make_store):
     s = make_store()
     s["k"] = np.arange(5)
-    it = iter(s)
+    s["l"] = b""
+    it, started = iter(s), iter(s)
+    assert next(started) == "k"          # its batch is read: "l" is in hand
     s.close()
-    with pytest.raises(StoreClosedError):
-        list(it)
+    for i in (it, started):
+        with pytest.raises(StoreClosedError):
+            list(i)
     for call in (lambda: s["k"], lambda: s.put("k", b"v"), lambda: s.keys(), lambda: s.stats(),
                  lambda: s.get_into("k", np.empty(5, dtype=np.int64)), lambda: len(s)):
         with pytest.raises(StoreClosedError):

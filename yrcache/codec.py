@@ -178,6 +178,15 @@ def tensor_meta(dtype: Any, shape) -> bytes:
     return f"T;{str(dtype).replace('torch.', '')};{_shape_str(shape)}".encode()
 
 
+def device_filler(t: Any) -> Callable[[np.ndarray], None]:
+    """``fill(dst)`` for ``put_with``: copies device tensor ``t``'s bytes into the block ``dst``."""
+    def fill(dst: np.ndarray) -> None:
+        if dst.size:
+            torch = _torch()
+            torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
+    return fill
+
+
 def array_meta(dtype: Any, shape) -> bytes:
     """The header of a numpy array of ``dtype`` and ``shape`` (native byte order)."""
     dt = np.dtype(dtype)

@@ -27,7 +27,7 @@ from .placement import RETRY, Placement
 from .policy import Policy
 from .sizes import format_size
 from .store_ops import StoreOps, learn_flat, learn_view, unpin_hits
-from .validate import expire_at as _expire_at, key_bytes, priority as _priority
+from .validate import check_iterable_keys, expire_at as _expire_at, key_bytes, priority as _priority
 from .tiers.dram import SHM_DIR, TIER_DRAM, Arena, check_name, unlink_if
 from .types import Value
 
@@ -212,7 +212,8 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         a = self._arena
         if a is None or self._closed:
             name = getattr(self, "name", "?")
-            raise StoreClosedError(f"store {name!r} is closed; attach again with TieredStore.attach({name!r})")
+            raise StoreClosedError(f"store {name!r} is closed; attach again with TieredStore.attach({name!r}), or, "
+                                   f"if its owner closed it (that removes it), make it again with TieredStore({name!r})")
         return a
 
     @property
@@ -297,7 +298,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
             # Straight from the device into the (pinned) arena block: one copy.
             self.pin_host_memory()
             t = value.detach().contiguous()
-            self._placement.put(kb, codec.tensor_meta(t.dtype, t.shape), _device_filler(t),
+            self._placement.put(kb, codec.tensor_meta(t.dtype, t.shape), codec.device_filler(t),
                                 t.numel() * t.element_size(), priority, expire_at, tier)
             return
         meta, payload, nbytes = codec.encode(value, self._pickle)
@@ -409,7 +410,7 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         copies).
         """
         a = self._a
-        keys = keys if type(keys) is list else list(keys)
+        keys = keys if type(keys) is list else list(check_iterable_keys(keys))
         hits = a.hot.mget(keys) if self._hbm is None and keys else False   # one C call (or False)
         if hits is not False:
             out: list[Any] = []
@@ -587,14 +588,3 @@ def _create_arena(name: str, st: Settings) -> Arena:
 
 def _attach_by_name(name: str, pickle: bool) -> TieredStore:
     return TieredStore.attach(name, pickle=pickle)
-
-
-def _device_filler(t: Any):
-    def fill(dst: np.ndarray) -> None:
-        if dst.size:
-            import torch
-
-            torch.from_numpy(dst).copy_(t.reshape(-1).view(torch.uint8))
-    return fill
-
-

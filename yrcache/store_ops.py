@@ -22,7 +22,7 @@ from .errors import YrcacheError
 from .node_locks import node_locks as _node_locks
 from .tiers.dram import TIER_DRAM, Word, check
 from .types import Value
-from .validate import expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, timeout as _check_timeout
+from .validate import check_iterable_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, timeout as _check_timeout
 
 if TYPE_CHECKING:
     from .hbm import HbmOwner
@@ -287,7 +287,7 @@ class StoreOps:
         all read under one lock hold (small ones copied out, the rest pinned views); else
         small objects copied out under one lock hold, the rest read one by one."""
         a = self._a
-        keys = list(keys)
+        keys = keys if type(keys) is list else list(check_iterable_keys(keys))
         hits = a.hot.mread(keys) if self._hbm is None and keys else False   # one C call (or False)
         out: list[tuple[bytes, memoryview] | None] = []
         if hits is not False:

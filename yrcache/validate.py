@@ -16,6 +16,15 @@ MAX_KEY_BYTES = 1024
 _I64 = 1 << 63
 
 
+def check_iterable_keys(keys: Any) -> Any:
+    """The ``keys`` of a batch call: an iterable of keys, not one (a str would be its letters)."""
+    if isinstance(keys, (str, bytes, bytearray)):
+        raise TypeError(f"pass an iterable of keys (a list of str), not one {type(keys).__name__} "
+                        f"{keys[:40]!r}, which would be read letter by letter; for one key use get(key) "
+                        f"or mget([key])")
+    return keys
+
+
 def key_bytes(key: Any) -> bytes:
     """Validate a key and return its UTF-8 bytes."""
     if type(key) is not str:

@@ -29,7 +29,7 @@ from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError
 from ..store import TieredStore
 from ..types import Value
-from ..validate import check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
+from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
 from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
@@ -293,7 +293,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         """Remove several keys from every member in one pipelined batch per member; how many
         existed."""
         self._check_open()
-        keys = list(keys)
+        keys = list(check_iterable_keys(keys))
         for k in keys:
             key_bytes(k)
         found = self._router.delete_many(keys) if keys else 0
@@ -332,7 +332,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
     def mget(self, keys: Iterable[str], *, copy: bool = False) -> list[Value | None]:
         """Values of ``keys`` (None where missing): local ones zero-copy, the rest pipelined per owner."""
         self._check_open()
-        keys = list(keys)
+        keys = list(check_iterable_keys(keys))
         check_keys(keys)
         out: list[Any] = [None] * len(keys)
         router = self._router
@@ -376,7 +376,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         """``(meta, payload)`` of several keys as stored (see ``TieredStore.mget_raw``): this
         node's copies in place, the rest received from their owners as ``mget`` does."""
         self._check_open()
-        keys = list(keys)
+        keys = list(check_iterable_keys(keys))
         check_keys(keys)
         out: list[tuple[bytes, memoryview] | None] = [None] * len(keys)
         todo = list(range(len(keys)))

@@ -477,7 +477,7 @@ class Arena:
 
     def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
         """Keys starting with ``prefix`` in byte order from the sorted index: at most 128 per lock hold,
-        each batch a logarithmic search plus its matches; ``alive()`` runs before each batch (may raise)."""
+        each batch a logarithmic search plus its matches; ``alive()`` runs before each batch and key (may raise)."""
         after, size = b"", MREAD_BYTES
         while True:
             if alive is not None:
@@ -486,7 +486,10 @@ class Arena:
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
             check(n, "keys")
             out, last = split_keys(ffi.buffer(buf, size), n), not more[0]
-            yield from (k.decode() for k in out)
+            for k in out:
+                if alive is not None:
+                    alive()                 # (resumed after a close: raise, as the next batch would)
+                yield k.decode()
             if last:
                 return
             after = out[-1]
