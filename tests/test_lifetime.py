@@ -5,6 +5,7 @@ leaves a segment behind; a closed store raises, it never crashes."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 
 from yrcache import StoreClosedError, StoreFullError, StoreNotFoundError, TieredStore
 from yrcache.tiers import dram
-from procs import seg_exists
+from procs import seg_exists, seg_path
 
 
 def run_script(tmp_path, code: str, timeout: float = 120, prefix: list[str] | None = None):
@@ -89,6 +90,59 @@ def test_sigkilled_owner_still_leaves_its_segment(store_name, tmp_path):
         assert bytes(s["k"]) == b"survives"
         s.close()
     finally:
+        dram.destroy(store_name)
+
+
+STOPPED = """
+    import os, signal, sys, time
+    from yrcache import TieredStore
+    mode, sig = sys.argv[1], int(sys.argv[2])
+    if mode == "own handler":
+        signal.signal(sig, lambda *a: (print("mine", flush=True), os._exit(3)))
+    s = TieredStore(name={name!r}, dram="4MiB", persist=mode == "persist")
+    s["k"] = b"kept"
+    if mode == "forked child":      # the child inherits the handler, not the store's ownership
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        os.kill(pid, sig)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
+        assert os.path.exists({path!r}), "the child's stop removed its parent's store"
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("mode", ["owner", "persist", "forked child", "own handler"])
+def test_an_owner_asked_to_stop_removes_its_store(store_name, tmp_path, sig, mode):
+    """`timeout`, Slurm and Kubernetes stop a job with SIGTERM (a closed terminal: SIGHUP),
+    whose default action skips every cleanup: the owner's segment was left in /dev/shm."""
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent(STOPPED.format(name=store_name, path=seg_path(store_name))))
+    p = subprocess.Popen([sys.executable, str(script), mode, str(int(sig))], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        lines = [p.stdout.readline().strip()]
+        if mode == "forked child":
+            lines.append(p.stdout.readline().strip())
+        assert lines[-1] == "ready", (lines, p.stderr.read() if p.poll() is not None else "")
+        reader = TieredStore.attach(store_name)     # a process still attached keeps its data
+        p.send_signal(sig)
+        assert p.wait(30) == (3 if mode == "own handler" else -sig)
+        assert bytes(reader["k"]) == b"kept"
+        reader.close()
+        if mode == "forked child":
+            assert lines[0] == f"child {int(sig)}"   # it died of the signal as before
+        if mode == "own handler":
+            assert p.stdout.read().strip() == "mine"
+        # the program's own handler is kept (it should close the store; this one does not)
+        assert seg_exists(store_name) == (mode in ("persist", "own handler"))
+    finally:
+        p.kill()
+        p.wait()
         dram.destroy(store_name)
 
 

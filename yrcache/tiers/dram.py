@@ -21,7 +21,7 @@ import numpy as np
 
 from .._arena import ffi, lib
 from .._fast import HotPath
-from .. import pinning
+from .. import pinning, stopping
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
@@ -199,6 +199,8 @@ class Arena:
                     f"incompatible version); remove it with `yrcache destroy {name}`"
                 )
             self.is_owner = self.created
+            if self.created:
+                stopping.watch(self)
             self.register()
             creation_done(fd)
         except BaseException:
@@ -281,6 +283,7 @@ class Arena:
         """Become the owner (of a store whose owner died)."""
         self.is_owner = True
         lib.yr_proc_set_owner(self.base, self.slot, 1)
+        stopping.watch(self)
 
     @property
     def slot(self) -> int:
