@@ -103,8 +103,8 @@ STOPPED = """
     s["k"] = b"kept"
     if mode == "forked child":      # the child inherits the handler, not the store's ownership
         pid = os.fork()
-        if pid == 0:
-            time.sleep(60)
+        if pid == 0:                # (a pending signal could be dropped by a child's Python)
+            os._exit(7) if signal.getsignal(sig) is not signal.SIG_DFL else time.sleep(60)
             os._exit(0)
         os.kill(pid, sig)
         _, status = os.waitpid(pid, 0)
