@@ -162,6 +162,60 @@ def test_forged_header_offsets_give_an_error_not_a_wild_read(store_name, field):
         dram.destroy(store_name)
 
 
+# ------------------------------------------------------- damaged segments
+
+
+def _damage(name: str, how: str) -> None:
+    """Leave a persisted store whose lists contradict its blocks, as only a writer
+    other than yrcache can: an old copy of its first 4 KiB (the header's free lists)
+    put back after a put ("stale-header"), or a key of the sorted index linked to
+    itself ("cycle")."""
+    s = TieredStore(name=name, dram="4MiB", persist=True)
+    s["a"] = np.arange(10)
+    with open(seg_path(name), "rb") as f:
+        old = f.read(4096)
+    s["b"] = np.arange(1000)                 # 8 KB: taken from the head of the free block
+    info = s._arena.get(b"b", 0)
+    fwd = info.block_off + 128 + (1 + info.meta_len + 7) // 8 * 8   # its sorted-index links
+    s.close()
+    with open(seg_path(name), "r+b") as f:
+        if how == "stale-header":
+            f.write(old)                     # its free list offers b's block, which is in use
+        else:
+            f.seek(fwd)
+            f.write(info.block_off.to_bytes(8, "little"))   # b -> b -> b ...
+
+
+@pytest.mark.parametrize("how", ["stale-header", "cycle"])
+def test_a_damaged_segment_gives_an_error_not_a_hang(store_name, how):
+    _damage(store_name, how)
+    try:
+        # In a child with a timeout: the loop that went round forever is the failure.
+        r = run_py(f"""
+            import numpy as np
+            from yrcache import TieredStore, CorruptObjectError, StoreNotFoundError
+            s = TieredStore.attach({store_name!r})
+            for what, op in [("put", lambda: s.__setitem__("c", np.arange(1000))),
+                             ("keys", lambda: sorted(s)), ("len", lambda: len(s))]:
+                try:
+                    op()
+                    print(what, "ok")
+                except CorruptObjectError as e:
+                    print(what, "refused:", e)
+            try:
+                TieredStore.attach({store_name!r})
+            except StoreNotFoundError as e:
+                print("attach refused:", e)
+            """, timeout=20)
+        assert r.returncode == 0, r.stderr
+        lines = r.stdout.splitlines()
+        assert [ln.split(":")[0] for ln in lines] == ["put refused", "keys refused", "len refused", "attach refused"]
+        assert "is damaged" in lines[0] and f"yrcache destroy {store_name}" in lines[0]
+        assert "not a usable yrcache store" in lines[3]
+    finally:
+        dram.destroy(store_name)
+
+
 # ------------------------------------------------------- process liveness
 
 

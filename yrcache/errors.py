@@ -43,7 +43,9 @@ class StoreNotFoundError(YrcacheError, FileNotFoundError):
 
 
 class CorruptObjectError(YrcacheError, ValueError):
-    """Stored bytes failed their checksum or could not be decoded."""
+    """Stored bytes failed their checksum or could not be decoded, or the store's
+    shared memory is damaged (its lists contradict its blocks: the message names
+    ``yrcache destroy NAME``)."""
 
 
 class UntrustedStoreError(YrcacheError, PermissionError):

@@ -210,7 +210,7 @@ class StoreOps:
                     return
                 pairs = pairs[got[0]:]       # the rest did not fit: the general path makes room
             elif isinstance(got, int):
-                check(got, "mset")
+                check(got, "mset", a.name)
             learn = got is None               # an array layout C does not know yet: teach it below
         for k, _ in pairs:
             key_bytes(k)            # validate every key before storing anything

@@ -62,7 +62,7 @@ int yr_arena_check(void *base, uint64_t size) {
     hdr_t *h = H(base);
     if (size < sizeof(hdr_t)) return YR_EBADARENA;
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != MAGIC) return YR_EBADARENA;
-    if (h->layout != LAYOUT || h->size != size) return YR_EBADARENA;
+    if (h->layout != LAYOUT || h->size != size || h->damaged) return YR_EBADARENA;
     uint64_t nb = h->nbuckets;
     if (nb < 1024 || nb > (1ULL << 30) || (nb & (nb - 1))) return YR_EBADARENA;
     if (h->nprocs < 2 || h->nprocs > MAX_PROCS || h->npins < 2 || h->npins > MAX_STATIC_PINS ||
@@ -100,10 +100,12 @@ int64_t yr_word_at(void *base, const char *name, uint32_t nlen) {
     key[1] = 'w';
     memcpy(key + 2, name, nlen);
     uint32_t klen = nlen + 2;
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int64_t r;
     uint64_t *s = find_slot(h, hash_key(key, klen), key, klen);
-    if (s) {
+    if (h->damaged) {
+        r = YR_EDAMAGED;
+    } else if (s) {
         r = (int64_t)(*s + AT(h, *s)->payload_rel);
     } else {
         yr_desc d = {.alloc_bytes = sizeof(yr_word), .nbytes = sizeof(yr_word), .tier = YR_TIER_DRAM};

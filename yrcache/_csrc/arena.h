@@ -42,6 +42,9 @@
 #define YR_ETOOBIG    -8
 #define YR_EBUFFER    -9
 #define YR_ECHANGED  -10
+/* YR_EDAMAGED: the arena's lists contradict its blocks (a cycle, a free list
+ * holding a block in use); from then on every call returns it */
+#define YR_EDAMAGED  -11
 
 /* Where an object's bytes go and what the index records of it: alloc_bytes
  * of payload are allocated here (nbytes for a DRAM object, 0 for a stub of an

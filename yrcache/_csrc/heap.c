@@ -29,6 +29,18 @@ static void fl_remove(hdr_t *h, uint64_t off) {
     b->next = b->prev = 0;
 }
 
+/* A block a free list offers is one the allocator may take: inside the heap
+ * and FREE.  Anything else is a list that contradicts the blocks (a stale
+ * header put back over a live segment): taking it would hand out, and unlink
+ * through, a block in use.  O(1) per allocation. */
+static int takeable(hdr_t *h, uint64_t off, uint64_t need) {
+    blk_t *b = AT(h, off);
+    if (off >= h->heap_off && off < heap_end(h) && !(off & (ALIGN - 1)) && b->state == ST_FREE &&
+        b->size >= need && b->size <= heap_end(h) - off) return 1;
+    set_damaged(h);
+    return 0;
+}
+
 static void set_next_prev_size(hdr_t *h, uint64_t off) {
     blk_t *b = AT(h, off);
     uint64_t nxt = off + b->size;
@@ -36,7 +48,8 @@ static void set_next_prev_size(hdr_t *h, uint64_t off) {
 }
 
 /* Find a free block of at least `need` bytes, take it off its list, split
- * off the tail if it is big enough to stand alone.  Returns 0 when none. */
+ * off the tail if it is big enough to stand alone.  Returns 0 when none (or
+ * when the lists are damaged: set_damaged). */
 /* Small blocks (stubs of spilled objects, small values) are carved from the
  * tail of the highest-addressed free block that fits (of a bounded number
  * probed, largest classes first); large ones from the head of a fitting
@@ -51,7 +64,7 @@ static uint64_t alloc_small_from_tail(hdr_t *h, uint64_t need) {
         for (uint64_t off = h->freehead[c]; off && probes < SCAN_LIMIT; off = AT(h, off)->next, probes++)
             if (AT(h, off)->size >= need && off > best) best = off;
     }
-    if (!best) return 0;
+    if (!best || !takeable(h, best, need)) return 0;
     blk_t *f = AT(h, best);
     if (f->size < need + MIN_BLOCK) {   /* too small to split: take it whole */
         fl_remove(h, best);
@@ -88,13 +101,20 @@ uint64_t alloc_block(hdr_t *h, uint64_t need) {
     /* ...then any block of a larger class fits by construction... */
     if (!found) {
         uint64_t mask = (c + 1 < 64) ? (h->free_bitmap & ~((2ULL << c) - 1)) : 0;
-        if (mask) found = h->freehead[__builtin_ctzll(mask)];
+        if (mask && !(found = h->freehead[__builtin_ctzll(mask)])) {
+            set_damaged(h);     /* the bitmap names a list that is empty */
+            return 0;
+        }
     }
     /* ...and only then an exhaustive scan, so a fit is never missed. */
-    if (!found)
-        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next)
+    if (!found) {
+        uint64_t steps = max_blocks(h);
+        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next) {
+            if (!steps--) { set_damaged(h); return 0; }     /* a cycle */
             if (AT(h, off)->size >= need) { found = off; break; }
-    if (!found) return 0;
+        }
+    }
+    if (!found || !takeable(h, found, need)) return 0;
     fl_remove(h, found);
     blk_t *b = AT(h, found);
     uint64_t rest = b->size - need;

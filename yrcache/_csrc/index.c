@@ -9,10 +9,11 @@ static inline int key_eq(blk_t *b, uint64_t hash, const char *k, uint32_t n) {
 }
 
 /* The bucket slot that points at the matching block (so the caller can
- * unlink it), or NULL. */
+ * unlink it), or NULL (also for a chain that loops: set_damaged). */
 uint64_t *find_slot(hdr_t *h, uint64_t hash, const char *k, uint32_t n) {
     uint64_t *slot = &BUCKETS(h)[hash & (h->nbuckets - 1)];
-    while (*slot) {
+    for (uint64_t steps = max_blocks(h); *slot; steps--) {
+        if (!steps) { set_damaged(h); return NULL; }
         blk_t *b = AT(h, *slot);
         if (key_eq(b, hash, k, n)) return slot;
         slot = &b->next;
@@ -73,10 +74,12 @@ void retire_locked(hdr_t *h, uint64_t *slot) {
 int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *recs,
                          uint32_t maxrecs, char *keybuf, uint64_t keybuflen) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint32_t n = 0;
     uint64_t pos = 0;
+    uint64_t steps = max_blocks(h);
     for (uint64_t *s = &h->retired_head; *s && n < maxrecs;) {
+        if (!steps--) { set_damaged(h); unlock(h); return YR_EDAMAGED; }     /* a cycle */
         blk_t *b = AT(h, *s);
         uint32_t tier = TIER_OF(b);
         int mine = (tier < 32 && (tiers >> tier) & 1) && (tier != YR_TIER_HBM || HOLDER_OF(b) == slot);
@@ -103,9 +106,11 @@ int64_t yr_drain_retired(void *base, uint32_t slot, uint32_t tiers, yr_scanrec *
 
 int64_t yr_release_retired(void *base, const uint64_t *gens, uint32_t n) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int64_t freed = 0;
+    uint64_t steps = max_blocks(h);
     for (uint64_t *s = &h->retired_head; *s;) {
+        if (!steps--) { set_damaged(h); unlock(h); return YR_EDAMAGED; }     /* a cycle */
         blk_t *b = AT(h, *s);
         int hit = 0;
         for (uint32_t i = 0; i < n && !hit; i++) hit = b->gen == gens[i];

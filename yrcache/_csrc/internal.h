@@ -110,7 +110,7 @@ typedef struct {
     uint64_t sl_rng;
     uint64_t sl_finger[SL_MAX]; /* the search path to the last key inserted (sorted.c) */
     uint32_t sl_finger_ok;      /* none of its nodes has left the list since */
-    uint32_t pad2;
+    uint32_t damaged;     /* a walk met links that contradict the blocks: every call fails (YR_EDAMAGED) */
     char     config[YR_CONFIG_BYTES];  /* the creator's settings (JSON), read by attachers */
     char     lockpad[0] __attribute__((aligned(64)));
     pthread_mutex_t lock;
@@ -154,6 +154,23 @@ static inline uint64_t hash_key(const char *k, uint32_t n) {
     return h;
 }
 
+/* No list of blocks (a free list, a hash chain, the sorted index) can be
+ * longer than the heap has room for blocks: a walk that takes more steps is
+ * going round a cycle of a damaged arena, and gives up (set_damaged). */
+static inline uint64_t max_blocks(hdr_t *h) { return h->heap_size / MIN_BLOCK; }
+
+/* Links that contradict the blocks (a segment written behind yrcache's back,
+ * e.g. an old copy of its header put back): nothing in the arena can be
+ * trusted any more, so every later call fails with YR_EDAMAGED (lock()). */
+static inline void set_damaged(hdr_t *h) { h->damaged = 1; }
+
+/* Byte order of a block's key against k (the sorted index's order). */
+static inline int cmp_key(blk_t *b, const char *k, uint32_t n) {
+    uint32_t m = b->klen < n ? b->klen : n;
+    int c = memcmp(KEY(b), k, m);
+    return c ? c : (b->klen > n) - (b->klen < n);
+}
+
 static inline int expired(blk_t *b, double now) {
     return b->expire_at != 0.0 && now >= b->expire_at;
 }
@@ -168,7 +185,8 @@ static inline pin_t *PIN(hdr_t *h, uint32_t p) {
     return (pin_t *)((char *)h + h->pin_pages[q / PIN_PAGE] + BLK_HDR) + q % PIN_PAGE;
 }
 
-/* recovery.c */
+/* recovery.c: lock() returns YR_ELOCK or YR_EDAMAGED, which LOCK passes on */
+#define LOCK(h) do { int lock_rc_ = lock(h); if (lock_rc_) return lock_rc_; } while (0)
 HIDDEN int  lock(hdr_t *h);
 HIDDEN void unlock(hdr_t *h);
 HIDDEN void recover_locked(hdr_t *h);

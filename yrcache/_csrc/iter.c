@@ -12,13 +12,23 @@ int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after
                 char *buf, uint64_t buflen, uint32_t maxkeys, uint64_t *more) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int64_t n = 0;
     uint64_t pos = 0;
     uint64_t off = alen ? sl_seek(h, after, alen, 1) : sl_seek(h, prefix, plen, 0);
+    /* Each key must come after the one before (after `after` for the first):
+     * a key out of order is a cycle, which would list keys forever. */
+    const char *below = alen ? after : NULL;
+    uint32_t blen = alen;
     *more = 0;
-    for (; off; off = FWD(AT(h, off))[0]) {
+    for (; off && !h->damaged; off = FWD(AT(h, off))[0]) {
         blk_t *b = AT(h, off);
+        if (below && cmp_key(b, below, blen) <= 0) {
+            set_damaged(h);
+            break;
+        }
+        below = KEY(b);
+        blen = b->klen;
         if (!has_prefix(b, prefix, plen)) break;     /* sorted: no later key matches */
         if (expired(b, now)) continue;
         if (n == (int64_t)maxkeys || pos + 4 + b->klen > buflen) {
@@ -31,6 +41,7 @@ int64_t yr_keys(void *base, const char *prefix, uint32_t plen, const char *after
         pos += 4 + b->klen;
         n++;
     }
+    if (h->damaged) n = YR_EDAMAGED;     /* (sl_seek's search too) */
     unlock(h);
     return n;
 }
@@ -47,12 +58,17 @@ int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, 
                 char *keybuf, uint64_t keybuflen, uint64_t *need) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint32_t n = 0;
     uint64_t pos = 0, i = *cursor, stop = i + SCAN_BUCKETS;
     for (; i < h->nbuckets && i < stop; i++) {
-        uint64_t cnt = 0, want = 0;
+        uint64_t cnt = 0, want = 0, steps = max_blocks(h);
         for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
+            if (!steps--) {     /* a chain that loops */
+                set_damaged(h);
+                unlock(h);
+                return YR_EDAMAGED;
+            }
             blk_t *b = AT(h, off);
             if (scanned(b, tiers, now)) {
                 cnt++;
@@ -97,7 +113,7 @@ int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, 
 
 int yr_get_stats(void *base, yr_stats *out) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     out->capacity = h->heap_size;
     out->used = h->used;
     out->objects = h->objects;
@@ -109,7 +125,8 @@ int yr_get_stats(void *base, yr_stats *out) {
     out->largest_free = 0;
     if (h->free_bitmap) {
         int c = 63 - __builtin_clzll(h->free_bitmap);
-        for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next)
+        uint64_t steps = max_blocks(h);
+        for (uint64_t off = h->freehead[c]; off && steps--; off = AT(h, off)->next)
             if (AT(h, off)->size > out->largest_free) out->largest_free = AT(h, off)->size;
     }
     out->hits = h->counters[YR_C_HITS];
@@ -138,11 +155,11 @@ int yr_expire(void *base, double now) {
     hdr_t *h = H(base);
     int n = 0;
     for (uint64_t i = 0; i < h->nbuckets;) {   /* a lock hold per SCAN_BUCKETS buckets */
-        if (lock(h)) return YR_ELOCK;
+        LOCK(h);
         if (!h->ttl_objects) { unlock(h); return n; }   /* O(1) when nothing can expire */
         for (uint64_t stop = i + SCAN_BUCKETS; i < h->nbuckets && i < stop; i++) {
-            uint64_t *s = &BUCKETS(h)[i];
-            while (*s) {
+            uint64_t *s = &BUCKETS(h)[i], steps = max_blocks(h);
+            while (*s && steps--) {      /* (a chain that loops is damage: find_slot reports it) */
                 if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
                 else s = &AT(h, *s)->next;
             }

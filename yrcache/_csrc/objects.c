@@ -24,7 +24,7 @@ int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
     uint64_t need = block_need(klen, mlen, level, d->alloc_bytes, &rel);
     if (need > h->heap_size) return YR_ETOOBIG;
     uint64_t off = alloc_block(h, need);
-    if (!off) return YR_ENOSPC;
+    if (!off) return h->damaged ? YR_EDAMAGED : YR_ENOSPC;
     blk_t *b = AT(h, off);
     b->owner = slot;
     b->pins = 0;
@@ -52,7 +52,7 @@ int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
 int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,
                    uint32_t mlen, const yr_desc *d, uint64_t *payload_off) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int64_t off = reserve_locked(h, slot, key, klen, meta, mlen, d);
     if (off > 0) *payload_off = (uint64_t)off + AT(h, off)->payload_rel;
     unlock(h);
@@ -73,6 +73,7 @@ int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expected_seq, 
     blk_t *b = AT(h, off);
     if (b->state != ST_RESERVED || b->owner != slot) return YR_ESTATE;
     uint64_t *old = find_slot(h, b->hash, KEY(b), b->klen);
+    if (h->damaged) return YR_EDAMAGED;
     if (expected_seq != UINT64_MAX) {
         uint64_t cur = old ? AT(h, *old)->seq : 0;
         if (cur != expected_seq) return YR_ECHANGED;   /* someone got there first */
@@ -86,6 +87,7 @@ int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expected_seq, 
     if (out) out->new_seq = b->seq;
     h->reserved--;
     link_live(h, off);   /* the object becomes visible here, atomically */
+    if (h->damaged) return YR_EDAMAGED;      /* the sorted index is (sorted.c) */
     /* a conditional commit is a move between tiers, not a caller's put */
     if (!INTERNAL(b) && expected_seq == UINT64_MAX) h->counters[YR_C_PUTS]++;
     return YR_OK;
@@ -93,7 +95,7 @@ int commit_locked(hdr_t *h, uint32_t slot, uint64_t off, uint64_t expected_seq, 
 
 int yr_commit(void *base, uint32_t slot, uint64_t off, uint64_t expected_seq, yr_retired *out) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = commit_locked(h, slot, off, expected_seq, out);
     unlock(h);
     return r;
@@ -101,7 +103,7 @@ int yr_commit(void *base, uint32_t slot, uint64_t off, uint64_t expected_seq, yr
 
 int yr_abort(void *base, uint32_t slot, uint64_t off) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = YR_ESTATE;
     blk_t *b = AT(h, off);
     if (b->state == ST_RESERVED && b->owner == slot) {
@@ -131,7 +133,7 @@ int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char
            uint32_t mlen, const char *data, uint64_t nbytes, int64_t priority, double expire_at,
            int populate, yr_retired *out) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     if (nbytes <= SMALL_PUT) {
         int r = put_small_locked(h, slot, key, klen, meta, mlen, data, nbytes, priority, expire_at, out);
         unlock(h);
@@ -147,7 +149,7 @@ int yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char
     char *dst = (char *)AT(h, off) + AT(h, off)->payload_rel;
     if (populate) yr_populate(dst, nbytes, 1);   /* a mapping that has not touched these pages */
     yr_memcpy(dst, data, nbytes);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = commit_locked(h, slot, (uint64_t)off, UINT64_MAX, out);
     unlock(h);
     return r;
@@ -158,7 +160,7 @@ int yr_mput_small(void *base, uint32_t slot, const char *keys, const uint32_t *k
                   const uint64_t *nbytes, uint32_t n, int64_t priority, double expire_at,
                   yr_retired *out, uint32_t *lower) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint32_t i = 0;
     *lower = 0;
     for (; i < n; i++) {
@@ -205,7 +207,7 @@ static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, i
                       double now, yr_objinfo *out) {
     int quiet = flags & YR_QUIET;    /* a look that is not a read: no access count, no hit */
     uint64_t *s = lookup_locked(h, key, klen, now, !quiet);
-    if (!s) return YR_ENOTFOUND;
+    if (!s) return h->damaged ? YR_EDAMAGED : YR_ENOTFOUND;
     uint64_t off = *s;
     blk_t *b = AT(h, off);
     out->pin = 0;
@@ -226,7 +228,7 @@ static int get_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen, i
 int yr_get(void *base, uint32_t slot, const char *key, uint32_t klen, int flags, yr_objinfo *out) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = get_locked(h, slot, key, klen, flags, now, out);
     unlock(h);
     return r;
@@ -265,7 +267,7 @@ int yr_read(void *base, uint32_t slot, const char *key, uint32_t klen, yr_objinf
             uint32_t cap, int dram_only) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = read_locked(h, slot, key, klen, now, out, buf, cap, dram_only);
     unlock(h);
     return r;
@@ -275,7 +277,7 @@ int yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
              yr_objinfo *out, int32_t *found, char *buf, uint64_t cap, uint64_t small, int dram_only) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     if (dram_only) {            /* a quiet look first: nothing counted or pinned if one is elsewhere */
         const char *k = keys;
         for (uint32_t i = 0; i < n; k += klens[i], i++) {
@@ -313,6 +315,10 @@ int yr_mread(void *base, uint32_t slot, const char *keys, const uint32_t *klens,
             found[i] = 1;
         }
     }
+    if (h->damaged && !err) {         /* a lookup met a cycle: nothing read can be trusted */
+        for (uint32_t j = 0; j < n; j++) if (found[j] == 1) unpin_locked(h, out[j].pin);
+        err = YR_EDAMAGED;
+    }
     unlock(h);
     return err ? err : (int)used;
 }
@@ -321,9 +327,9 @@ int yr_peek(void *base, const char *key, uint32_t klen, yr_objinfo *out, char *m
             uint32_t metacap) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint64_t *s = lookup_locked(h, key, klen, now, 0);
-    int r = YR_ENOTFOUND;
+    int r = h->damaged ? YR_EDAMAGED : YR_ENOTFOUND;
     if (s) {
         blk_t *b = AT(h, *s);
         describe(b, *s, out);
@@ -338,9 +344,9 @@ int yr_peek(void *base, const char *key, uint32_t klen, yr_objinfo *out, char *m
 int yr_contains(void *base, const char *key, uint32_t klen) {
     hdr_t *h = H(base);
     double now = now_realtime();
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint64_t *s = find_slot(h, hash_key(key, klen), key, klen);
-    int r = s && !expired(AT(h, *s), now);
+    int r = h->damaged ? YR_EDAMAGED : s && !expired(AT(h, *s), now);
     unlock(h);
     return r;
 }
@@ -349,9 +355,9 @@ int yr_delete(void *base, const char *key, uint32_t klen, uint64_t expected_seq,
     hdr_t *h = H(base);
     double now = now_realtime();
     memset(out, 0, sizeof(*out));
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint64_t *s = find_slot(h, hash_key(key, klen), key, klen);
-    int r = YR_ENOTFOUND;
+    int r = h->damaged ? YR_EDAMAGED : YR_ENOTFOUND;
     if (s && (expected_seq == UINT64_MAX || AT(h, *s)->seq == expected_seq)) {
         blk_t *b = AT(h, *s);
         r = expired(b, now) ? YR_ENOTFOUND : YR_OK;
@@ -366,9 +372,9 @@ int yr_delete(void *base, const char *key, uint32_t klen, uint64_t expected_seq,
 int yr_set_flags(void *base, const char *key, uint32_t klen, uint64_t seq, uint32_t set,
                  uint32_t clear) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint64_t *s = find_slot(h, hash_key(key, klen), key, klen);
-    int r = YR_ENOTFOUND;
+    int r = h->damaged ? YR_EDAMAGED : YR_ENOTFOUND;
     if (s && AT(h, *s)->seq == seq) {
         blk_t *b = AT(h, *s);
         uint32_t flags = (FLAGS_OF(b) | set) & ~clear;

@@ -73,7 +73,7 @@ void unpin_locked(hdr_t *h, uint32_t p) {
 
 int yr_proc_attach(void *base, int fd, uint32_t pid, uint64_t starttime, uint32_t is_owner) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int found = YR_ENOPROCS;
     proc_t *p = PROCS(h);
     for (uint32_t i = 1; i < h->nprocs; i++) {  /* slot 0 means "nobody" */
@@ -101,9 +101,13 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
         pin_t *pr = PIN(h, i);
         if (pr->block_off && pr->slot == slot) unpin_locked(h, i);
     }
-    uint64_t off = h->heap_off;
+    uint64_t off = h->heap_off, steps = max_blocks(h);
     while (off < heap_end(h)) {
         blk_t *b = AT(h, off);
+        if (b->size < MIN_BLOCK || b->size > heap_end(h) - off) {   /* a walk that would not end */
+            set_damaged(h);
+            return;
+        }
         if (b->state == ST_RESERVED && b->owner == slot && TIER_OF(b) == YR_TIER_SSD) {
             /* A stub reserved before its disk copy was written: the copy
              * (if any) goes through the retire list. */
@@ -122,7 +126,7 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
     }
     for (uint64_t i = 0; i < h->nbuckets; i++) {
         uint64_t *s = &BUCKETS(h)[i];
-        while (*s) {
+        for (uint64_t left = steps; *s && left--;) {      /* (a chain that loops: find_slot reports it) */
             blk_t *b = AT(h, *s);
             if (TIER_OF(b) == YR_TIER_HBM && HOLDER_OF(b) == slot) {
                 b->where = YR_TIER_DRAM;   /* nothing left to free elsewhere */
@@ -132,7 +136,7 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
             }
         }
     }
-    for (uint64_t *s = &h->retired_head; *s;) {
+    for (uint64_t *s = &h->retired_head; *s && steps--;) {
         blk_t *b = AT(h, *s);
         if (TIER_OF(b) == YR_TIER_HBM && HOLDER_OF(b) == slot) {
             uint64_t o = *s;
@@ -149,7 +153,7 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
 int yr_proc_detach(void *base, int fd, uint32_t slot) {
     hdr_t *h = H(base);
     if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     release_slot_locked(h, slot);
     ofd_lock(fd, slot, F_UNLCK);   /* after the slot is free: nobody reclaims it twice */
     unlock(h);
@@ -158,7 +162,7 @@ int yr_proc_detach(void *base, int fd, uint32_t slot) {
 
 int yr_proc_list(void *base, int fd, uint32_t self_slot, yr_procinfo *out, uint32_t max) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     uint32_t n = 0;
     proc_t *p = PROCS(h);
     for (uint32_t i = 0; i < h->nprocs && n < max; i++) {
@@ -178,7 +182,7 @@ int yr_proc_list(void *base, int fd, uint32_t self_slot, yr_procinfo *out, uint3
  * Returns how many were reclaimed. */
 int yr_proc_sweep(void *base, int fd, uint32_t self_slot) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int n = 0;
     for (uint32_t i = 1; i < h->nprocs; i++) {
         if (PROCS(h)[i].state && i != self_slot && ofd_held(fd, i) == 0) {
@@ -193,7 +197,7 @@ int yr_proc_sweep(void *base, int fd, uint32_t self_slot) {
 int yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner) {
     hdr_t *h = H(base);
     if (slot == 0 || slot >= h->nprocs) return YR_ESTATE;
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     PROCS(h)[slot].is_owner = is_owner;
     unlock(h);
     return YR_OK;
@@ -202,7 +206,7 @@ int yr_proc_set_owner(void *base, uint32_t slot, uint32_t is_owner) {
 int yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_slot) {
     hdr_t *h = H(base);
     if (to_slot == 0 || to_slot >= h->nprocs) return YR_ESTATE;
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = YR_ESTATE;
     if (pin != 0 && pin < total_pins(h)) {
         pin_t *pr = PIN(h, pin);
@@ -219,7 +223,7 @@ int yr_pin_transfer(void *base, uint32_t pin, uint32_t from_slot, uint32_t to_sl
 
 int yr_unpin(void *base, uint32_t pin) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     if (pin == 0 || pin >= total_pins(h)) { unlock(h); return YR_ESTATE; }
     unpin_locked(h, pin);
     unlock(h);
@@ -228,7 +232,7 @@ int yr_unpin(void *base, uint32_t pin) {
 
 int yr_pin_block(void *base, uint32_t slot, uint64_t off) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    LOCK(h);
     int r = YR_ESTATE;
     uint32_t st = AT(h, off)->state;
     if (st == ST_LIVE || st == ST_ORPHAN) r = pin_locked(h, slot, off);

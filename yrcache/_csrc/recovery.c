@@ -17,9 +17,14 @@ int lock(hdr_t *h) {
         recover_locked(h);
         h->counters[YR_C_RECOVERIES]++;
         pthread_mutex_consistent(&h->lock);
-        return 0;
+    } else if (r) {
+        return YR_ELOCK;
     }
-    return r == 0 ? 0 : YR_ELOCK;
+    if (h->damaged) {       /* nothing in it can be trusted: see set_damaged */
+        unlock(h);
+        return YR_EDAMAGED;
+    }
+    return 0;
 }
 
 void unlock(hdr_t *h) { pthread_mutex_unlock(&h->lock); }
@@ -27,7 +32,13 @@ void unlock(hdr_t *h) { pthread_mutex_unlock(&h->lock); }
 void recover_locked(hdr_t *h) {
     uint64_t end = heap_end(h);
     /* 1. Pin counts from the pin table (the only source of truth). */
-    for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) AT(h, off)->pins = 0;
+    for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) {
+        if (AT(h, off)->size < MIN_BLOCK || AT(h, off)->size > end - off) {   /* a walk would not end */
+            set_damaged(h);
+            return;
+        }
+        AT(h, off)->pins = 0;
+    }
     for (uint32_t i = 0; i < h->nprocs; i++) PROCS(h)[i].pins = 0;
     h->pin_free = 0;
     for (uint32_t i = total_pins(h) - 1; i >= 1; i--) {
@@ -111,7 +122,12 @@ void recover_locked(hdr_t *h) {
 
 int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
     hdr_t *h = H(base);
-    if (lock(h)) return YR_ELOCK;
+    int r = lock(h);
+    if (r) {
+        snprintf(msg, msglen, r == YR_EDAMAGED ? "the arena is damaged: its links contradict its blocks"
+                                                : "the arena lock is unrecoverable");
+        return r;
+    }
     uint64_t end = heap_end(h), used = 0, objects = 0, orphans = 0, prev_size = 0, nfree = 0, retired = 0;
     int prev_free = 0, bad = 0;
     for (uint64_t off = h->heap_off; off < end && !bad; off += AT(h, off)->size) {
@@ -148,7 +164,7 @@ int yr_check_invariants(void *base, char *msg, uint32_t msglen) {
     if (!bad) {
         uint64_t listed = 0;
         for (int c = 0; c < NCLASSES; c++)
-            for (uint64_t off = h->freehead[c]; off; off = AT(h, off)->next) listed++;
+            for (uint64_t off = h->freehead[c]; off && listed <= nfree; off = AT(h, off)->next) listed++;
         if (listed != nfree) { snprintf(msg, msglen, "free lists hold %llu blocks, heap %llu", (unsigned long long)listed, (unsigned long long)nfree); bad = 1; }
         else if (used != h->used) { snprintf(msg, msglen, "used %llu != counted %llu", (unsigned long long)h->used, (unsigned long long)used); bad = 1; }
         else if (objects != h->objects) { snprintf(msg, msglen, "objects %llu != counted %llu", (unsigned long long)h->objects, (unsigned long long)objects); bad = 1; }

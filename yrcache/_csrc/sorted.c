@@ -23,12 +23,6 @@ static inline uint64_t *next_of(hdr_t *h, uint64_t off, uint32_t level) {
     return off ? &FWD(AT(h, off))[level] : &h->sl_head[level];
 }
 
-static inline int cmp_key(blk_t *b, const char *k, uint32_t n) {
-    uint32_t m = b->klen < n ? b->klen : n;
-    int c = memcmp(KEY(b), k, m);
-    return c ? c : (b->klen > n) - (b->klen < n);
-}
-
 uint32_t sl_random_level(hdr_t *h) {
     uint64_t x = h->sl_rng;            /* xorshift64 */
     x ^= x << 13; x ^= x >> 7; x ^= x << 17;
@@ -38,18 +32,27 @@ uint32_t sl_random_level(hdr_t *h) {
     return level;
 }
 
-/* pred[i]: the last node (0: the head) whose key is below `key` on level i. */
-static void search(hdr_t *h, const char *key, uint32_t n, uint64_t *pred) {
-    uint64_t x = 0;
+/* pred[i]: the last node (0: the head) whose key is below `key` on level i.
+ * -1 when the walk goes round a cycle (set_damaged): a search moves only
+ * forwards, so it visits no more nodes than the heap can hold. */
+static int search(hdr_t *h, const char *key, uint32_t n, uint64_t *pred) {
+    uint64_t x = 0, steps = max_blocks(h);
     int finger = h->sl_finger_ok && h->sl_finger[0] && cmp_key(AT(h, h->sl_finger[0]), key, n) < 0;
     /* (sl_finger[0] is the finger's highest key: every node on it is below `key` too) */
     for (int i = (int)h->sl_levels - 1; i >= 0; i--) {
         uint64_t nx, f = finger ? h->sl_finger[i] : 0;
         /* the finger's node on this level is below `key` too: start from it if it is further */
         if (f && (!x || cmp_key(AT(h, f), KEY(AT(h, x)), AT(h, x)->klen) > 0)) x = f;
-        while ((nx = *next_of(h, x, i)) && cmp_key(AT(h, nx), key, n) < 0) x = nx;
+        while ((nx = *next_of(h, x, i)) && cmp_key(AT(h, nx), key, n) < 0) {
+            if (!steps--) {
+                set_damaged(h);
+                return -1;
+            }
+            x = nx;
+        }
         pred[i] = x;
     }
+    return 0;
 }
 
 /* The finger after a search that found `pred` (levels 0..levels-1; above: the
@@ -64,7 +67,7 @@ void sl_insert(hdr_t *h, uint64_t off) {
     blk_t *b = AT(h, off);
     uint32_t level = SL_LEVEL(b);
     uint64_t pred[SL_MAX];
-    search(h, KEY(b), b->klen, pred);
+    if (search(h, KEY(b), b->klen, pred)) return;
     for (uint32_t i = h->sl_levels; i < level; i++) pred[i] = 0;
     if (level > h->sl_levels) h->sl_levels = level;
     for (uint32_t i = 0; i < level; i++) {
@@ -78,7 +81,7 @@ void sl_insert(hdr_t *h, uint64_t off) {
 void sl_remove(hdr_t *h, uint64_t off) {
     blk_t *b = AT(h, off);
     uint64_t pred[SL_MAX];
-    search(h, KEY(b), b->klen, pred);
+    if (search(h, KEY(b), b->klen, pred)) return;
     for (uint32_t i = 0; i < SL_LEVEL(b) && i < h->sl_levels; i++) {
         uint64_t *link = next_of(h, pred[i], i);
         if (*link == off) *link = FWD(b)[i];
@@ -87,11 +90,11 @@ void sl_remove(hdr_t *h, uint64_t off) {
     while (h->sl_levels && !h->sl_head[h->sl_levels - 1]) h->sl_levels--;
 }
 
-/* The first node whose key is >= key (> key when `after`), or 0. */
+/* The first node whose key is >= key (> key when `after`), or 0 (also when
+ * the index is damaged: the caller checks h->damaged). */
 uint64_t sl_seek(hdr_t *h, const char *key, uint32_t n, int after) {
     uint64_t pred[SL_MAX];
-    if (!h->sl_levels) return 0;
-    search(h, key, n, pred);
+    if (!h->sl_levels || search(h, key, n, pred)) return 0;
     uint64_t x = *next_of(h, pred[0], 0);
     if (after && x && cmp_key(AT(h, x), key, n) == 0) x = FWD(AT(h, x))[0];
     return x;

@@ -25,7 +25,7 @@ from .. import pinning, stopping
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
-from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, records, split_keys
+from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, damaged, records, split_keys
 from .segment import (SHM_DIR, allocate, check_name, check_trusted, creation_done, destroy,  # noqa: F401
                       list_stores, no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
@@ -47,7 +47,9 @@ _HOT = tuple(int(ffi.cast("uintptr_t", ffi.addressof(lib, f))) for f in ("yr_rea
                                                                        "yr_mput_small"))
 
 
-def check(rc: int, what: str) -> int:
+def check(rc: int, what: str, name: str | None = None) -> int:
+    if rc == lib.YR_EDAMAGED:
+        raise damaged(what, name)
     if rc < 0:
         raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
     return rc
@@ -85,7 +87,7 @@ class Reservation:
         rc = lib.yr_commit(a.base, a.slot, self.block, expected, out)
         if rc == lib.YR_ECHANGED:     # still reserved: the caller's ``with`` (or abort()) frees it
             return None
-        check(rc, "commit")
+        check(rc, "commit", a.name)
         self.done = True
         return out
 
@@ -340,7 +342,7 @@ class Arena:
         off = lib.yr_reserve(self.base, self.slot, kb, len(kb), meta, len(meta), d, poff)
         if off in _NO_ROOM:
             return None
-        check(off, "reserve")
+        check(off, "reserve", self.name)
         if alloc >= POPULATE_MIN and not self.prefaulted:
             lib.yr_populate(self.cbase + poff[0], alloc, 1)
         return Reservation(self, off, poff[0], alloc)
@@ -369,7 +371,7 @@ class Arena:
                         ffi.from_buffer(data) if nbytes else ffi.NULL, nbytes, priority, expire_at, populate, out)
         if rc in _NO_ROOM:
             return None
-        check(rc, "put")
+        check(rc, "put", self.name)
         return out
 
     def mput_small(self, batch: list, priority: int, expire_at: float) -> tuple[int, int]:
@@ -377,7 +379,7 @@ class Arena:
         per lock hold, until one does not fit: (how many stored, how many replaced a lower tier's)."""
         _ = self.slot                    # a forked child takes its own slot first (the C call needs it)
         got = self.hot.mput(batch, priority, expire_at)     # one C call, no cffi marshalling
-        return got if isinstance(got, tuple) else (check(got, "mset"), 0)
+        return got if isinstance(got, tuple) else (check(got, "mset", self.name), 0)
 
     def get(self, kb: bytes, flags: int = PIN, info=None):
         """Look ``kb`` up: a ``yr_objinfo`` (pinned with PIN), or None when missing.
@@ -390,7 +392,7 @@ class Arena:
         rc = lib.yr_get(self.base, self.slot, kb, len(kb), flags, info)
         if rc == lib.YR_ENOTFOUND:
             return None
-        check(rc, "get")
+        check(rc, "get", self.name)
         return info
 
     def mread(self, kbs: list[bytes], small: bool = True) -> tuple[Any, Any, bytes]:
@@ -400,7 +402,7 @@ class Arena:
         n = len(kbs)
         infos, found, buf = ffi.new("yr_objinfo[]", n), ffi.new("int32_t[]", n), _scratch()[5]
         used = check(lib.yr_mread(self.base, self.slot, b"".join(kbs), [len(k) for k in kbs], n, infos, found,
-                                  buf, MREAD_BYTES, SMALL_READ if small else 0, 0), "mget")
+                                  buf, MREAD_BYTES, SMALL_READ if small else 0, 0), "mget", self.name)
         return infos, found, ffi.unpack(buf, used) if used else b""
 
     def read(self, kb: bytes, small: bool = True) -> tuple[Any, bytes | None] | None:  # type: ignore[return]  # check() raises
@@ -417,7 +419,7 @@ class Arena:
             return info, None
         if rc == lib.YR_ENOTFOUND:
             return None
-        check(rc, "read")
+        check(rc, "read", self.name)
 
     @staticmethod
     def copy_info(info):
@@ -433,7 +435,7 @@ class Arena:
         rc = lib.yr_peek(self.base, kb, len(kb), info, meta, 4096)
         if rc == lib.YR_ENOTFOUND:
             return None
-        check(rc, "peek")
+        check(rc, "peek", self.name)
         return info, ffi.buffer(meta, info.meta_len)[:]
 
     def meta(self, info) -> bytes:
@@ -445,13 +447,14 @@ class Arena:
         return np.frombuffer(ffi.buffer(self.cbase + info.payload_off, info.nbytes), dtype=np.uint8)
 
     def contains(self, kb: bytes) -> bool:
-        return lib.yr_contains(self.base, kb, len(kb)) == 1
+        return check(lib.yr_contains(self.base, kb, len(kb)), "contains", self.name) == 1
 
     def delete(self, kb: bytes, expected: int = ANY_SEQ) -> tuple[bool, Any]:
         """Remove ``kb`` (if still the object ``expected``): (whether a live object was deleted, what left
         the index -- an expired object too, not counted as deleted; valid until this thread's next call)."""
         out = _scratch()[1]
-        return lib.yr_delete(self.base, kb, len(kb), expected, out) == 0, out
+        rc = lib.yr_delete(self.base, kb, len(kb), expected, out)
+        return rc != lib.YR_ENOTFOUND and check(rc, "delete", self.name) == 0, out
 
     def set_flags(self, kb: bytes, seq: int, set: int = 0, clear: int = 0) -> bool:
         return lib.yr_set_flags(self.base, kb, len(kb), seq, set, clear) == 0
@@ -464,7 +467,7 @@ class Arena:
 
     def stats(self):
         out = ffi.new("yr_stats *")
-        check(lib.yr_get_stats(self.base, out), "stats")
+        check(lib.yr_get_stats(self.base, out), "stats", self.name)
         return out
 
     @property
@@ -487,7 +490,7 @@ class Arena:
                 alive()
             _, _, more, _, _, buf = _scratch()[:6]      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
-            check(n, "keys")
+            check(n, "keys", self.name)
             out, last = split_keys(ffi.buffer(buf, size), n), not more[0]
             for k in out:
                 if alive is not None:
@@ -512,7 +515,7 @@ class Arena:
                 recs = ffi.new("yr_scanrec[]", nrec)
                 keys = ffi.new("char[]", kbuf)
                 continue
-            check(n, "scan")
+            check(n, "scan", self.name)
             yield from records(recs, ffi.buffer(keys, kbuf), n)   # copied out: the buffers are reused
             if cursor[0] == 0:
                 return
@@ -523,7 +526,7 @@ class Arena:
         leaves them listed: the next drain frees again).  O(1) if none pending."""
         recs, keys, n, done = ffi.new("yr_scanrec[]", 256), ffi.new("char[]", 256 * 1024), 256, 0
         while n == 256 and lib.yr_retired_pending(self.base):
-            n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain")
+            n = check(lib.yr_drain_retired(self.base, self.slot, tiers, recs, 256, keys, 256 * 1024), "drain", self.name)
             batch = records(recs, ffi.buffer(keys, 256 * 1024), n)
             for rec, _key in batch:
                 free(rec)
@@ -541,7 +544,7 @@ class Arena:
         w = self._words.get(name)
         if w is None:
             off = lib.yr_word_at(self.base, name.encode(), len(name.encode()))
-            check(off, f"word {name!r}")
+            check(off, f"word {name!r}", self.name)
             w = self._words[name] = Word(self, off)
         return w
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from ..errors import CorruptObjectError
+
 ANY_SEQ = (1 << 64) - 1    # a commit or delete that does not depend on the current object
 #: A DRAM object whose header and payload fit in this many bytes is copied out
 #: by a read instead of pinned: copying 4 KiB costs less than a pin and its release.
@@ -53,3 +55,13 @@ def split_keys(raw: Any, n: int) -> list[bytes]:
         out.append(raw[pos + 4:pos + 4 + klen])
         pos += 4 + klen
     return out
+
+
+def damaged(what: str, name: str | None) -> CorruptObjectError:
+    """The error of a call that met a damaged arena (``YR_EDAMAGED``): its lists
+    contradict its blocks, so no lookup, put or listing in it can be trusted."""
+    seg = f"/dev/shm/yrcache.{name}" if name else "its shared-memory segment"
+    return CorruptObjectError(
+        f"{what} failed: store {name or ''!r} is damaged: the lists in {seg} no longer match its blocks (was "
+        f"the segment written by something other than yrcache?); remove it with `yrcache destroy {name or 'NAME'}` "
+        "and store its data again")
