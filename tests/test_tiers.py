@@ -463,6 +463,19 @@ def test_cache_policy_keeps_high_priority(make_store):
     same(s["vip"], arr(-1))
 
 
+def test_cache_policy_drops_nothing_for_a_value_no_tier_can_hold(make_store):
+    s = make_store(dram="1MiB", policy="cache")           # no SSD tier
+    for i in range(3):
+        s[f"k{i}"] = arr(i)
+    with pytest.raises(StoreFullError, match="no SSD tier"):
+        s["huge"] = arr(9, dram_capacity(s) + 1)          # larger than all of DRAM: fails at once
+    assert s.stats()["evictions"] == 0 and sorted(s) == ["k0", "k1", "k2"]
+    s["big"] = arr(8, dram_capacity(s) - 4 * KB)          # fits an empty DRAM: the rest makes room
+    assert sorted(s) == ["big"] and s.stats()["evictions"] == 3
+    same(s["big"], arr(8, dram_capacity(s) - 4 * KB))
+    s.check()
+
+
 # ---------------------------------------------------------------------- TTL
 
 

@@ -9,7 +9,8 @@ carry single moves out.  Rules (docs/architecture.md, "Tiers"):
   objects move down first.  Only an object larger than the whole DRAM tier,
   or one DRAM cannot hold even after everything movable moved, goes straight
   to SSD.  With no room anywhere: ``StoreFullError`` (``policy="cache"``
-  drops the coldest objects instead).
+  drops the coldest objects instead, but never for an object that no tier
+  could hold: that one fails at once).
 * A read is served where the object lives: DRAM zero-copy; SSD as a private
   copy, or promoted into DRAM once read ``promote_after`` times; HBM from
   this process's device, or demoted to DRAM by the process that holds it.
@@ -109,6 +110,8 @@ class Placement:
         elif tier == TIER_SSD or (self.disk is not None and nbytes + _overhead(kb, meta) > a.capacity):
             return self.put_ssd(kb, meta, payload, nbytes, priority, expire_at)
         elif self.moves or self.hbm is not None:
+            if self.disk is None and not a.fits(kb, meta, nbytes):
+                raise self.full_error(nbytes)     # larger than all of DRAM: make no room in vain
             self.make_room(nbytes + _overhead(kb, meta))
         retired = self._put_dram(a, kb, meta, payload, nbytes, priority, expire_at, is_buffer)
         if retired is None:

@@ -167,6 +167,9 @@ int64_t yr_reserve(void *base, uint32_t slot, const char *key, uint32_t klen, co
                    uint32_t mlen, const yr_desc *d, uint64_t *payload_off);
 int  yr_commit(void *base, uint32_t slot, uint64_t block_off, uint64_t expected_seq, yr_retired *out);
 int  yr_abort(void *base, uint32_t slot, uint64_t block_off);
+/* 1 if an object of these key, codec header and payload sizes could ever be
+ * stored (its smallest block fits the empty heap), else 0 */
+int  yr_fits(void *base, uint32_t klen, uint32_t mlen, uint64_t nbytes);
 /* a DRAM value in one call: reserve, copy (outside the lock, but for small
  * values, which are copied in the same lock hold), commit */
 int  yr_put(void *base, uint32_t slot, const char *key, uint32_t klen, const char *meta,

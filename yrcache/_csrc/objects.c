@@ -16,6 +16,12 @@ static uint64_t block_need(uint32_t klen, uint32_t mlen, uint32_t level, uint64_
     return need < MIN_BLOCK ? MIN_BLOCK : need;
 }
 
+int yr_fits(void *base, uint32_t klen, uint32_t mlen, uint64_t nbytes) {
+    uint64_t heap = H(base)->heap_size;     /* fixed at init: no lock needed */
+    uint32_t rel;
+    return nbytes <= heap && block_need(klen, mlen, 1, nbytes, &rel) <= heap;
+}
+
 int64_t reserve_locked(hdr_t *h, uint32_t slot, const char *key, uint32_t klen,
                        const char *meta, uint32_t mlen, const yr_desc *d) {
     uint32_t rel;

@@ -347,6 +347,10 @@ class Arena:
             lib.yr_populate(self.cbase + poff[0], alloc, 1)
         return Reservation(self, off, poff[0], alloc)
 
+    def fits(self, kb: bytes, meta: bytes, nbytes: int) -> bool:
+        """Could this object ever be stored here (its smallest block fits the empty heap)?"""
+        return bool(lib.yr_fits(self.base, len(kb), len(meta), nbytes))
+
     def advise_huge(self) -> bool:
         """Ask for transparent huge pages on this mapping (``MADV_HUGEPAGE``); True if taken.  They
         back it only where /dev/shm is mounted ``huge=advise``/``within_size``/``always``."""
