@@ -88,7 +88,9 @@ def test_layout_and_modes(tmp_path):
     (f,) = data_files(root)
     assert stat.S_IMODE(os.stat(f).st_mode) == 0o600
     name = os.path.basename(f)
-    assert "big" not in name and f"{gen:x}" not in name   # named by a random id
+    # named by generation, a random part and the writer, never by key
+    g, rand, writer = name.split(".")
+    assert g == f"{gen:016x}" and len(rand) == 8 and writer == _diskutil.writer_id()
     assert os.path.basename(os.path.dirname(f)) == name[:2]
     assert t.used == 100 * KIB
     t.close()
@@ -218,10 +220,14 @@ def test_delete_later(tier):
     (f,) = data_files(tier.path)
     handed = []
     assert tier.delete(gen, later=handed.append) is True
-    assert handed == [f] and os.path.exists(f)      # the file is the caller's to remove
+    # the file is the caller's to remove, moved under our name into tmp/ first
+    # (so that if we die before removing it, it is a dead process's temp file)
+    (moved,) = handed
+    assert not os.path.exists(f) and os.path.exists(moved)
+    assert moved == os.path.join(tier.path, "tmp", _diskutil.tmp_prefix() + os.path.basename(f) + ".del.tmp")
     assert gen not in tier and tier.used == 4       # the record went at once
-    os.unlink(f)
-    assert tier.delete(small, later=handed.append) and handed == [f]   # inline: no file
+    os.unlink(moved)
+    assert tier.delete(small, later=handed.append) and handed == [moved]   # inline: no file
     assert tier.delete(gen, later=handed.append) is False and tier.used == 0
 
 
@@ -496,6 +502,33 @@ def test_vacuum_removes_orphans_only(tier, monkeypatch):
     assert tier.vacuum(min_age=0) == 0
     orphan = _orphan(tier)
     assert tier.vacuum(min_age=0) == 1 and not os.path.exists(orphan)
+
+
+def test_delete_without_a_record_removes_the_files_of_its_generation(tier):
+    """A writer killed between rename and commit, or a remover killed between
+    the record and the file, leaves a payload file with no record; the store
+    then deletes the generation (its stub was retired): the file goes."""
+    gen, keep = put(tier, payload(100 * KIB)), put(tier, payload(100 * KIB, 1))
+    rec = disk._decode(tier._cache.get(gen))
+    f = tier._file_path(rec.raw[rec.tail:].decode())
+    index = diskcache.Cache(os.path.join(tier.path, "index"))
+    assert index.delete(gen)                  # the record alone goes, as if killed before the file
+    index.close()
+    assert len(data_files(tier.path)) == 2 and os.path.exists(f)
+    assert tier.delete(gen) is False          # no record: nothing to report...
+    assert not os.path.exists(f) and len(data_files(tier.path)) == 1    # ...but its file went
+    assert tier.get(keep)[1] == payload(100 * KIB, 1)
+
+
+def test_sweep_removes_strays_of_dead_writers_at_once(tier):
+    keep = put(tier, payload(100 * KIB))
+    ns = _diskutil.writer_id().split("-")[0]
+    dead = _orphan(tier, f"{new_gen():016x}.0badc0de.{ns}-999999999-12345")    # no such process
+    live = _orphan(tier, f"{new_gen():016x}.0badc0de.{_diskutil.writer_id()}")  # a put of ours, mid-commit
+    assert tier.sweep() == 1                  # the dead writer's at once, whatever its age
+    assert not os.path.exists(dead) and os.path.exists(live)
+    assert tier.sweep(min_age=0) == 1 and not os.path.exists(live)
+    assert tier.get(keep)[1] == payload(100 * KIB) and len(data_files(tier.path)) == 1
 
 
 def test_vacuum_removes_blobs_that_are_not_live(tier):

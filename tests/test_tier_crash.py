@@ -508,3 +508,113 @@ def test_copies_of_retired_stubs_survive_a_killed_drainer_listed(cleanup_name, t
         assert len(payload_files(ssd)) == len(on_ssd) == 1
     finally:
         s.close()
+
+
+# ------------------------------- kills mid-move while the owner lives (no adopt, no vacuum)
+
+
+def _attach_and_die(name, where, ready):
+    """Attacher that SIGKILLs itself at ``where`` in a spill, a delete or a promotion."""
+    from yrcache.mover import Unlinker
+    from yrcache.tiers import _diskio, disk
+
+    s = TieredStore.attach(name)
+    ready.set()
+
+    def die(*_a, **_k):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if where == "payload half written":
+        def write_then_die(fd, data):
+            os.write(fd, data[:4096])
+            die()
+
+        _diskio._os_write = write_then_die
+        s.put("new", arr(60), tier=Tier.SSD)
+    elif where == "payload file renamed, index not committed":
+        disk.DiskTier._commit = die
+        s.put("new", arr(60), tier=Tier.SSD)
+    elif where == "index record removed, payload file not":
+        real_unlink = os.unlink
+
+        def unlink(path, *a, **k):
+            if f"{os.sep}data{os.sep}" in os.fspath(path):
+                die()
+            return real_unlink(path, *a, **k)
+
+        os.unlink = unlink
+        s.put("old", arr(51), tier=Tier.SSD)     # retires the old copy: its delete dies
+    elif where == "promoted, deferred removal not run":
+        Unlinker.submit = lambda self, path: None   # the background thread never gets to it
+        for _ in range(5):
+            s["old"]
+            if s.tier_of("old") == Tier.DRAM:
+                die()
+    time.sleep(300)                                  # not reached
+
+
+@pytest.mark.parametrize("where", ["payload half written",
+                                   "payload file renamed, index not committed",
+                                   "index record removed, payload file not",
+                                   "promoted, deferred removal not run"])
+def test_kill_mid_move_leaves_no_file_behind_while_the_owner_lives(cleanup_name, tmp_path, where):
+    """No adopt and no vacuum here: what the dead attacher left is found
+    through the stubs it left (swept to the retire list) and its temp files."""
+    import multiprocessing
+
+    name, ssd = cleanup_name, str(tmp_path / "ssd")
+    s = TieredStore(name=name, dram="1MiB", ssd=ssd, ssd_size="32MiB")
+    try:
+        for i in range(3):
+            s.put(f"k{i}", arr(i))
+        s.put("old", arr(50), tier=Tier.SSD)
+        ctx = multiprocessing.get_context("fork")
+        ready = ctx.Event()
+        p = ctx.Process(target=_attach_and_die, args=(name, where, ready), daemon=True)
+        p.start()
+        p.join(60)
+        if p.is_alive():
+            kill_and_join(p)
+            pytest.fail(f"the child never reached {where!r}")
+        assert p.exitcode == -signal.SIGKILL, f"the child did not die at {where!r} (exit code {p.exitcode})"
+        assert ready.is_set()
+        s.check()                                    # sweeps the dead attacher and drains
+        s.flush()
+        on_ssd = [k for k in s if s.tier_of(k) == Tier.SSD]
+        files = payload_files(ssd)
+        assert len(files) == len(on_ssd), f"killed at {where!r}: stray payload files {files}"
+        assert os.listdir(os.path.join(ssd, "tmp")) == [], f"killed at {where!r}: temp files left"
+        assert s.stats()["tiers"]["ssd"]["used"] == VAL * len(on_ssd)
+        for i in range(3):
+            np.testing.assert_array_equal(s[f"k{i}"], arr(i))
+        assert "new" not in s
+    finally:
+        s.destroy()
+
+
+def test_new_store_over_the_directory_removes_what_dead_writers_left(cleanup_name, tmp_path):
+    """The segment (and its retire list) is gone with the store; a new store
+    over the directory removes the payload file a killed writer published
+    without a record."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    name, ssd = cleanup_name, str(tmp_path / "ssd")
+    ready = ctx.Event()
+    p = ctx.Process(target=_die_at, args=(name, ssd, "payload file renamed, index not committed", ready),
+                    daemon=True)
+    p.start()
+    p.join(60)
+    if p.is_alive():
+        kill_and_join(p)
+        pytest.fail("the child never reached its commit")
+    assert p.exitcode == -signal.SIGKILL and ready.is_set()
+    assert dram.destroy(name)
+    assert len(payload_files(ssd)) == 2              # "old" and the dead writer's stray
+    s = TieredStore(name=name, dram="1MiB", ssd=ssd)
+    try:
+        assert sorted(s) == ["old"]
+        assert len(payload_files(ssd)) == 1
+        s.check()
+    finally:
+        s.destroy()

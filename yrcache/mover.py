@@ -259,7 +259,8 @@ class Mover:
         """Fresh arena over an old SSD directory: stub every surviving disk blob.
 
         Of several generations of one key (a crash mid-move) the newest wins;
-        expired ones go.
+        expired ones go, and so do payload files that dead processes left
+        without a record (``DiskTier.sweep``).
         """
         best: dict[str, Any] = {}
         stale: list[int] = []
@@ -286,6 +287,7 @@ class Mover:
             if res is not None:
                 with res:
                     n += res.commit(0) is not None
+        self.ssd.sweep()
         return n
 
     def vacuum(self) -> int:

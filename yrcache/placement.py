@@ -359,9 +359,12 @@ class Placement:
                 raise YrcacheError(f"{name} tier used {tier.used} != {total} held")
 
     def flush(self) -> None:
-        """Free retired lower-tier bytes; wait for files whose removal was deferred."""
+        """Free retired lower-tier bytes; wait for files whose removal was deferred
+        (and remove those that dead processes deferred)."""
         self.drain()
         self.mover.unlinker.join()
+        if self.disk is not None:
+            self.disk.clean_tmp()
 
 
 __all__ = ["Placement", "RETRY", "ANY_SEQ", "SMALL_VALUE"]

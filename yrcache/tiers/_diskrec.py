@@ -68,3 +68,26 @@ def _check_gen(gen: Any) -> int:
 def _short(key: str) -> str:
     r = repr(key)
     return r if len(r) <= 120 else r[:117] + "..."
+
+
+def _check_fields(key: Any, meta: Any, priority: Any,
+                  expire_at: Any) -> tuple[bytes, bytes, int, float | None]:
+    """A put's record fields, checked: ``(key as UTF-8, meta bytes, priority, expire_at)``."""
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a str, got {type(key).__name__}")
+    try:
+        key_b = key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"key {_short(key)} is not valid UTF-8 (lone surrogate)") from None
+    try:
+        meta = bytes(memoryview(meta))
+    except TypeError:
+        raise TypeError(f"meta must be bytes, got {type(meta).__name__}") from None
+    priority = operator.index(priority)
+    if not _I64_MIN <= priority <= _I64_MAX:
+        raise ValueError(f"priority must fit in 64 bits, got {priority!r}")
+    if expire_at is not None:
+        expire_at = float(expire_at)
+        if expire_at != expire_at:
+            raise ValueError("expire_at must be a unix time or None, not NaN")
+    return key_b, meta, priority, expire_at

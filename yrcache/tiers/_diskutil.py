@@ -292,10 +292,16 @@ def tmp_prefix() -> str:
     return _ident_cache[1]
 
 
-def _tmp_owner_alive(name: str) -> bool | None:
-    """True/False if the writer of temp file ``name`` is alive/dead; None if unknowable."""
-    parts = name.split("-")
-    if len(parts) != 4 or not parts[3].endswith(".tmp") or parts[0] != _pidns():
+def writer_id() -> str:
+    """``NS-PID-START``: this process, as payload file names record their writer."""
+    return tmp_prefix()[:-1]
+
+
+def writer_alive(ident: str) -> bool | None:
+    """True/False if the process ``NS-PID-START`` is alive/dead; None if unknowable
+    (another pid namespace, not such a name)."""
+    parts = ident.split("-")
+    if len(parts) != 3 or parts[0] != _pidns():
         return None
     try:
         pid = int(parts[1])
@@ -311,6 +317,12 @@ def _tmp_owner_alive(name: str) -> bool | None:
     return start == parts[2]
 
 
+def _tmp_owner_alive(name: str) -> bool | None:
+    """True/False if the writer of temp file ``name`` is alive/dead; None if unknowable."""
+    parts = name.split("-", 3)
+    if len(parts) != 4 or not parts[3].endswith(".tmp"):
+        return None
+    return writer_alive("-".join(parts[:3]))
 
 
 def clean_tmp(tmp_dir: str) -> int:
@@ -338,4 +350,76 @@ def clean_tmp(tmp_dir: str) -> int:
             removed += 1
         except FileNotFoundError:
             pass
+    return removed
+
+
+# --------------------------------------------------------------------------
+# payload files no record refers to (a writer or remover killed mid-way)
+
+def stray_candidates(data_dir: str, min_age: float) -> list[tuple[str, str]]:
+    """``(name, path)`` of the payload files in ``data_dir/XX/`` that may be
+    removed if no record refers to them: those whose writer (named in the
+    file name) is dead, and any untouched for ``min_age`` seconds.
+
+    The writer is judged before the caller reads the index: a writer dead
+    now never commits later, so a file it left unreferenced stays so."""
+    now, alive, out = time.time(), {}, []
+    with os.scandir(data_dir) as subs:
+        for sub in subs:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            with os.scandir(sub.path) as it:
+                for ent in it:
+                    try:
+                        st = ent.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if not stat.S_ISREG(st.st_mode):
+                        continue
+                    writer = ent.name.rpartition(".")[2]      # GEN.RANDOM.NS-PID-START
+                    if writer not in alive:
+                        alive[writer] = writer_alive(writer)
+                    if alive[writer] is False or now - max(st.st_mtime, st.st_ctime) >= min_age:
+                        out.append((ent.name, ent.path))
+    return out
+
+
+def remove_strays(candidates: list[tuple[str, str]], referenced: set[str]) -> int:
+    """Remove the candidates whose name is not in ``referenced``; return how many."""
+    removed = 0
+    for name, p in candidates:
+        if name not in referenced:
+            try:
+                os.unlink(p)
+                removed += 1
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def unlink(path: str) -> None:
+    """Remove file ``path`` if it is there."""
+    try:
+        os.unlink(path)
+    except (FileNotFoundError, IsADirectoryError):
+        # Gone already, or a directory planted in its place: not ours to remove.
+        pass
+
+
+def remove_files_of(data_dir: str, prefix: str) -> int:
+    """Remove the payload files of one generation (names starting ``prefix``,
+    ``GEN.``) whatever their writer; return how many.  O(files / 256)."""
+    sub = os.path.join(data_dir, prefix[:2])
+    try:
+        names = os.listdir(sub)
+    except FileNotFoundError:
+        return 0
+    removed = 0
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(sub, name))
+                removed += 1
+            except (FileNotFoundError, IsADirectoryError):
+                pass
     return removed

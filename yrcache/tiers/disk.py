@@ -6,19 +6,28 @@ Layout of the tier directory (created owner-only, mode 0700)::
                        its generation (an int), plus the ``used`` byte counter
                        (under a str key); small payloads live inline here
     path/data/XX/ID    payload files (XX = first two hex digits of ID), one
-                       per blob at or above ``inline_threshold``; named by a
-                       random id; written once, never modified
-    path/tmp/          payloads being written (``NS-PID-START-ID.tmp``)
+                       per blob at or above ``inline_threshold``; ID is
+                       ``GEN.RANDOM.NS-PID-START`` (generation, then the
+                       writing process); written once, never modified
+    path/tmp/          payloads being written and payloads being removed
+                       (``NS-PID-START-ID[.del].tmp``, NS-PID-START: the writer
+                       or remover)
     path/owner.lock    the owner id of the store holding the directory (only
                        with ``owner=``; see ``_diskutil.OwnerLock``)
 
 A put writes the payload to a temporary file, renames it into ``data/`` and
 only then adds the index record (and bumps ``used``) in one SQLite
 transaction, so a reader finds the whole blob or none, and a writer killed at
-any point leaves no visible trace.  Temporary files of dead writers are
-removed when the tier is next opened; data files orphaned by a crash between
-rename and commit are removed by ``vacuum()``.  A generation is written once
-and never overwritten (``base.py``), so a blob's bytes never change.
+any point leaves no visible trace.  A generation is written once and never
+overwritten (``base.py``), so a blob's bytes never change.
+
+Crashes.  Payload files are named by generation and writer, so none is lost
+track of.  A file with no record (its writer or remover killed between index
+and file) goes at ``delete(gen)``, which the store calls for every stub that
+leaves its index (dead processes' unfinished moves too), and at ``sweep()``
+once its writer is dead.  A deferred removal (``delete(later=)``) first
+renames the file into ``tmp/`` under the remover's name; temp files of dead
+processes go at open, ``clean_tmp()``, ``sweep()`` and ``vacuum()``.
 
 The index is used through diskcache's public API only.  Its records are plain
 bytes (a ``struct`` header, meta, key, then the inline payload or the file
@@ -39,10 +48,8 @@ file) is ``CorruptObjectError`` before a byte is read.
 from __future__ import annotations
 
 import errno
-import operator
 import os
 import shutil
-import stat
 import time
 import uuid
 from typing import Callable, Iterator
@@ -54,8 +61,7 @@ from ..errors import CorruptObjectError, StoreClosedError, StoreFullError
 from ..sizes import format_size, parse_size
 from . import _diskio as dio
 from . import _diskutil as du
-from ._diskrec import (_FILE, _GEN_MAX, _I64_MAX, _I64_MIN, _INLINE, _Rec, _check_gen, _decode,
-                       _encode, _short)
+from ._diskrec import _FILE, _GEN_MAX, _INLINE, _Rec, _check_fields, _check_gen, _decode, _encode, _short
 from .base import BlobInfo, BlobTier
 
 __all__ = ["DiskTier"]
@@ -65,14 +71,6 @@ _USED = "used"                 # the byte counter's index key; blob keys are int
 # vacuum() keeps unreferenced data files younger than this: a put may sit
 # between rename and index commit for up to the SQLite busy timeout.
 _ORPHAN_AGE = 300.0
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except (FileNotFoundError, IsADirectoryError):
-        # Gone already, or a directory planted in its place: not ours to remove.
-        pass
 
 
 class DiskTier(BlobTier):
@@ -137,6 +135,7 @@ class DiskTier(BlobTier):
         self._durable = bool(durable)
         self._closed = False
         self._lock: du.OwnerLock | None = None
+        self._dropped: set[int] = set()     # generations this handle removed entirely (see delete)
         cap = parse_size(capacity, "ssd_size")
 
         du.make_dir(self._path, root=True)
@@ -237,23 +236,7 @@ class DiskTier(BlobTier):
         or the filesystem is full; then nothing is stored.
         """
         gen = self._gen(gen)
-        if not isinstance(key, str):
-            raise TypeError(f"key must be a str, got {type(key).__name__}")
-        try:
-            key_b = key.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"key {_short(key)} is not valid UTF-8 (lone surrogate)") from None
-        try:
-            meta = bytes(memoryview(meta))
-        except TypeError:
-            raise TypeError(f"meta must be bytes, got {type(meta).__name__}") from None
-        priority = operator.index(priority)
-        if not _I64_MIN <= priority <= _I64_MAX:
-            raise ValueError(f"priority must fit in 64 bits, got {priority!r}")
-        if expire_at is not None:
-            expire_at = float(expire_at)
-            if expire_at != expire_at:
-                raise ValueError("expire_at must be a unix time or None, not NaN")
+        key_b, meta, priority, expire_at = _check_fields(key, meta, priority, expire_at)
         mv = dio.as_bytes_view(payload, writable=False, what="payload")
         nbytes = mv.nbytes
         now = time.time()
@@ -268,7 +251,9 @@ class DiskTier(BlobTier):
         if self._cache.get(gen) is not None:
             raise self._taken(gen)
         self._check_room(key, nbytes, self.used)
-        file_id = uuid.uuid4().hex
+        # Named by generation (delete(gen) finds it without a record) and writer
+        # (sweep() knows a dead writer will never commit it).
+        file_id = f"{gen:016x}.{uuid.uuid4().hex[:8]}.{du.writer_id()}"
         final = self._file_path(file_id)
         tmp = os.path.join(self._tmp_dir, du.tmp_prefix() + file_id + ".tmp")
         try:
@@ -287,11 +272,27 @@ class DiskTier(BlobTier):
         """Remove blob ``gen``; True if it was there.
 
         The record (and its bytes in ``used``) goes at once.  ``later``: a
-        callable that takes the payload file's path and removes it off the
-        caller's thread; by default the file is removed here.  A reader that
-        already opened the file still reads it whole.
+        callable that takes the path of the payload file (renamed into
+        ``tmp/`` first) and removes it off the caller's thread; by default the
+        file is removed here.  A reader that already opened the file still
+        reads it whole.
+
+        With no record, any payload file of ``gen`` is removed all the same
+        (what a writer or remover killed mid-way left): call it only for a
+        generation that nobody is writing.
         """
-        return self._drop([self._gen(gen)], later) == 1
+        gen = self._gen(gen)
+        if self._drop([gen], later):
+            if len(self._dropped) > 4096:   # only the next call needs it: never long
+                self._dropped.clear()
+            self._dropped.add(gen)
+            return True
+        if gen in self._dropped:        # we removed it whole (the common second call)
+            self._dropped.discard(gen)
+            return False
+        du.remove_files_of(self._data_dir, f"{gen:016x}.")
+        du.clean_tmp(self._tmp_dir)
+        return False
 
     def clear(self) -> int:
         """Remove every blob (in batches, safe against concurrent writers); return how many.  O(blobs)."""
@@ -310,26 +311,10 @@ class DiskTier(BlobTier):
           live (``live`` must answer True for generations being written);
         * index entries that are not blobs of this version (left by an older
           yrcache, or damaged beyond decoding);
-        * payload files no record refers to (crash leftovers) that are older
-          than ``min_age`` seconds (default: a few minutes, since a
-          concurrent put may still be about to publish them; pass 0 when no
-          other process writes the directory);
-        * temporary files of dead writers.
+        * what ``sweep(min_age)`` removes.
         """
-        min_age = _ORPHAN_AGE if min_age is None else min_age
         self._check_open()
-        now = time.time()
-        candidates = []              # listed before the index is read: see min_age
-        for sub in os.scandir(self._data_dir):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for ent in os.scandir(sub.path):
-                try:
-                    st = ent.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISREG(st.st_mode) and now - max(st.st_mtime, st.st_ctime) >= min_age:
-                    candidates.append((ent.name, ent.path))
+        candidates = du.stray_candidates(self._data_dir, _ORPHAN_AGE if min_age is None else min_age)
         referenced, dead, alien = set(), [], []
         for k in self._index_keys(blobs_only=False):
             raw = self._cache.get(k)
@@ -347,14 +332,26 @@ class DiskTier(BlobTier):
         removed = sum(self._drop(dead[i:i + 500]) for i in range(0, len(dead), 500))
         for k in alien:
             removed += bool(self._cache.delete(k))
-        for name, p in candidates:
-            if name not in referenced:
-                try:
-                    os.unlink(p)
-                    removed += 1
-                except FileNotFoundError:
-                    pass
+        return removed + du.remove_strays(candidates, referenced) + du.clean_tmp(self._tmp_dir)
+
+    def sweep(self, min_age: float | None = None) -> int:
+        """Remove crash leftovers; return how many.  O(files), plus O(blobs) if any is found.
+
+        Payload files no record refers to, written by a dead process (it will
+        never commit them) or untouched for ``min_age`` seconds (default: a few
+        minutes, as a live put may be about to publish them; 0 when no other
+        process writes the directory); temp files of dead processes.
+        """
+        self._check_open()
+        candidates = du.stray_candidates(self._data_dir, _ORPHAN_AGE if min_age is None else min_age)
+        removed = du.remove_strays(candidates, self._referenced()) if candidates else 0
         return removed + du.clean_tmp(self._tmp_dir)
+
+    def clean_tmp(self) -> int:
+        """Remove the temp files of dead processes (a write or a deferred
+        removal they did not finish); return how many.  O(temp files)."""
+        self._check_open()
+        return du.clean_tmp(self._tmp_dir)
 
     # ------------------------------------------------------------------- reads
 
@@ -472,6 +469,19 @@ class DiskTier(BlobTier):
             if not blobs_only or (type(k) is int and 0 < k <= _GEN_MAX):
                 yield k
 
+    def _referenced(self) -> set[str]:
+        """The file ids of every file blob (read after listing candidate files)."""
+        ids = set()
+        for gen in self._index_keys(blobs_only=True):
+            raw = self._cache.get(gen)
+            try:
+                rec = _decode(raw)
+            except ValueError:
+                continue
+            if rec.kind == _FILE:
+                ids.add(rec.raw[rec.tail:].decode())
+        return ids
+
     def _commit(self, gen: int, key: str, rec: bytes, nbytes: int, final: str | None) -> None:
         """Add record ``rec`` of ``gen`` (whose payload file, if any, is ``final``)."""
         try:
@@ -507,9 +517,20 @@ class DiskTier(BlobTier):
                 if rec.nbytes:
                     self._cache.incr(_USED, -rec.nbytes)
                 if rec.kind == _FILE:
-                    files.append(self._file_path(rec.raw[rec.tail:].decode()))
-        for p in files:
-            (later or _unlink)(p)
+                    files.append(rec.raw[rec.tail:].decode())
+        for file_id in files:
+            p = self._file_path(file_id)
+            if later is None:
+                du.unlink(p)
+                continue
+            # Under our name in tmp/ first: if we die before the unlink, the
+            # temp file of a dead process goes at the next clean_tmp().
+            gone = os.path.join(self._tmp_dir, du.tmp_prefix() + file_id + ".del.tmp")
+            try:
+                os.rename(p, gone)
+            except FileNotFoundError:
+                continue                 # another process's delete(gen) removed it
+            later(gone)
         return n
 
     def _check_inline(self, gen: int, rec: _Rec, body) -> None:
