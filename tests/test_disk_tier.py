@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from tier_suite import TierTests  # noqa: E402
 
-from yrcache.errors import CorruptObjectError, StoreClosedError, StoreFullError  # noqa: E402
+from yrcache.errors import CorruptObjectError, StoreClosedError, StoreFullError, YrcacheError  # noqa: E402
 from yrcache.tiers import _diskio, _diskutil, disk  # noqa: E402
 from yrcache.tiers.base import BlobInfo, new_gen  # noqa: E402
 from yrcache.tiers.disk import DiskTier  # noqa: E402
@@ -504,6 +504,36 @@ def test_vacuum_removes_orphans_only(tier, monkeypatch):
     assert tier.vacuum(min_age=0) == 1 and not os.path.exists(orphan)
 
 
+DAMAGE = {   # how a payload file is damaged -> what check() says
+    "missing": (lambda f: os.unlink(f), "payload file is missing"),
+    "truncated": (lambda f: os.truncate(f, 1000), r"1000 bytes, the index says 102400 \(truncated\)"),
+    "longer": (lambda f: os.truncate(f, 200 * KIB), "204800 bytes, the index says 102400"),
+    "fifo": (lambda f: (os.unlink(f), os.mkfifo(f, 0o600)), "it is a FIFO, not a regular file"),
+    "directory": (lambda f: (os.unlink(f), os.mkdir(f, 0o700)), "it is a directory"),
+    "symlink": (lambda f: (os.rename(f, f + ".x"), os.symlink(f + ".x", f)), "it is a symbolic link"),
+    "writable by others": (lambda f: os.chmod(f, 0o666), "group or others may write to it"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_check_finds_damaged_payload_files(tier, damage):
+    put(tier, payload(100 * KIB, 1), key="good")
+    gen = put(tier, payload(100 * KIB), key="victim")
+    put(tier, b"tiny", key="inline")
+    tier.check()
+    rec = disk._decode(tier._cache.get(gen))
+    f = tier._file_path(rec.raw[rec.tail:].decode())
+    how, says = DAMAGE[damage]
+    how(f)
+    with pytest.raises(CorruptObjectError, match=says) as e:
+        tier.check()
+    assert f"{gen:016x} of 'victim'" in str(e.value) and f in str(e.value)
+    with pytest.raises(CorruptObjectError):             # reads agree
+        tier.get(gen)
+    tier.delete(gen)
+    tier.check()
+
+
 def test_delete_without_a_record_removes_the_files_of_its_generation(tier):
     """A writer killed between rename and commit, or a remover killed between
     the record and the file, leaves a payload file with no record; the store
@@ -525,8 +555,11 @@ def test_sweep_removes_strays_of_dead_writers_at_once(tier):
     ns = _diskutil.writer_id().split("-")[0]
     dead = _orphan(tier, f"{new_gen():016x}.0badc0de.{ns}-999999999-12345")    # no such process
     live = _orphan(tier, f"{new_gen():016x}.0badc0de.{_diskutil.writer_id()}")  # a put of ours, mid-commit
+    with pytest.raises(YrcacheError, match="1 payload files that no record refers to, left by dead"):
+        tier.check()
     assert tier.sweep() == 1                  # the dead writer's at once, whatever its age
     assert not os.path.exists(dead) and os.path.exists(live)
+    tier.check()                              # a live writer's is no stray: it may yet commit
     assert tier.sweep(min_age=0) == 1 and not os.path.exists(live)
     assert tier.get(keep)[1] == payload(100 * KIB) and len(data_files(tier.path)) == 1
 

@@ -155,6 +155,30 @@ def test_missing_disk_copy_is_corrupt_at_once(make_store, tmp_path):
     assert time.monotonic() - t0 < 1.0, "a missing record must not be retried for seconds"
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated", "fifo"])
+def test_check_reports_a_damaged_disk_copy(make_store, tmp_path, damage):
+    """check() verifies that every SSD stub has a payload file reads can use
+    (present, a regular file of ours, of its size), without reading it."""
+    s = make_store(dram="1MiB", ssd=tmp_path / "ssd")
+    s.put("x", np.ones(300 * KiB, np.uint8), tier=Tier.SSD)
+    (f,) = [os.path.join(d, n) for d, _, ns in os.walk(tmp_path / "ssd" / "data") for n in ns]
+    s.put("y", np.ones(300 * KiB, np.uint8), tier=Tier.SSD)
+    s.check()
+    if damage == "missing":
+        os.unlink(f)
+    elif damage == "truncated":
+        os.truncate(f, 1000)
+    else:
+        os.unlink(f)
+        os.mkfifo(f, 0o600)
+    with pytest.raises(CorruptObjectError, match="'x'.*(missing|truncated|FIFO)"):
+        s.check()
+    with pytest.raises(CorruptObjectError, match="'x'"):
+        s.get("x")
+    s.delete("x")
+    s.check()
+
+
 def _own_hbm_and_wait(name, ready):
     s = TieredStore(name=name, dram="4MiB", hbm="1MiB", device="cpu")
     import torch

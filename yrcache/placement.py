@@ -335,7 +335,9 @@ class Placement:
     def check_tiers(self) -> None:
         """Cross-tier invariants: every SSD copy and every device tensor of this
         process has a live stub and every stub its copy; each tier's ``used``
-        equals what it holds.  Raises YrcacheError.  O(objects)."""
+        equals what it holds; every SSD payload file is there, whole (by size)
+        and of the right kind, and none is a dead process's stray.  Raises
+        YrcacheError.  O(objects)."""
         a = self.a
         a.sweep()                    # what dead processes left behind goes first
         a.expire(time.time())
@@ -357,6 +359,8 @@ class Placement:
             total = sum(e.nbytes for e in held.values())
             if tier.used != total:
                 raise YrcacheError(f"{name} tier used {tier.used} != {total} held")
+        if self.disk is not None:
+            self.disk.check()        # every payload file there, of the right kind and size; no strays
 
     def flush(self) -> None:
         """Free retired lower-tier bytes; wait for files whose removal was deferred

@@ -437,7 +437,9 @@ class StoreOps:
         """Verify the store's invariants; raise ``YrcacheError`` naming the first broken one.
 
         The arena's own (heap, index, pins, counts), then across tiers: every
-        SSD payload has a live stub and every SSD stub a payload; every
+        SSD payload has a live stub and every SSD stub a payload file that
+        reads can use (there, a regular file of ours, of its size: else
+        ``CorruptObjectError``; checksums are left to reads); every
         device tensor of this process a live stub of the same object; and each
         lower tier's ``used`` equals the sum of what it holds.  O(objects);
         meant for tests and ``yrcache stat``, on a store nobody is writing.

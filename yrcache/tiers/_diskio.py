@@ -286,3 +286,22 @@ def read_payload(fpath: str, mv: memoryview, checksum: int, corrupt: Callable[[s
         raise corrupt(f"the file ended after {off} of {nbytes} bytes (truncated)")
     if got != checksum:
         raise corrupt(f"the payload failed its xxh3_64 checksum (stored {checksum:016x}, computed {got:016x})")
+
+
+def payload_problem(fpath: str, nbytes: int) -> str | None:
+    """Why a read of payload file ``fpath`` (``nbytes`` long) would fail before
+    its checksum: missing, not a regular file only we can write, or the
+    wrong size; None if none of these.  One ``lstat``, no read."""
+    try:
+        st = os.lstat(fpath)
+    except FileNotFoundError:
+        return "its payload file is missing"
+    if not stat.S_ISREG(st.st_mode):
+        return f"it is {kind_of(st.st_mode)}, not a regular file"
+    why = foreign(st)
+    if why:
+        return f"{why} (owner uid {st.st_uid}, mode 0o{stat.S_IMODE(st.st_mode):03o})"
+    if st.st_size != nbytes:
+        return (f"the file has {st.st_size} bytes, the index says {nbytes}"
+                + (" (truncated)" if st.st_size < nbytes else ""))
+    return None

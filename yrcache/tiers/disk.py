@@ -48,6 +48,7 @@ file) is ``CorruptObjectError`` before a byte is read.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import shutil
 import time
@@ -57,7 +58,7 @@ from typing import Callable, Iterator
 import diskcache
 import xxhash
 
-from ..errors import CorruptObjectError, StoreClosedError, StoreFullError
+from ..errors import CorruptObjectError, StoreClosedError, StoreFullError, YrcacheError
 from ..sizes import format_size, parse_size
 from . import _diskio as dio
 from . import _diskutil as du
@@ -352,6 +353,36 @@ class DiskTier(BlobTier):
         removal they did not finish); return how many.  O(temp files)."""
         self._check_open()
         return du.clean_tmp(self._tmp_dir)
+
+    def check(self) -> None:
+        """Raise ``CorruptObjectError`` naming the first blob whose payload
+        file is missing, is not a regular file only we can write, or has the
+        wrong size (reads would fail on it), and ``YrcacheError`` if payload
+        files that no record refers to were left by dead processes.  Reads no
+        payload (checksums are verified on every read).  O(blobs + files);
+        meant for a directory nobody is writing.
+        """
+        self._check_open()
+        strays, ids = du.stray_candidates(self._data_dir, math.inf), set()   # dead writers' only
+        for gen in self._index_keys(blobs_only=True):
+            raw = self._cache.get(gen)
+            if raw is None:
+                continue
+            rec = self._decode(gen, raw)
+            if rec.kind == _INLINE:
+                self._check_inline(gen, rec, memoryview(rec.raw)[rec.tail:])
+                continue
+            ids.add(rec.raw[rec.tail:].decode())
+            fpath = self._file_path(rec.raw[rec.tail:].decode())
+            why = dio.payload_problem(fpath, rec.nbytes)
+            if why is not None and self._cache.get(gen) is not None:     # not deleted meanwhile
+                raise self._corrupt(gen, rec.key, fpath, why)
+        left = [p for name, p in strays if name not in ids]
+        if left:
+            raise YrcacheError(
+                f"SSD tier at {self._path} holds {len(left)} payload files that no record refers "
+                f"to, left by dead processes (e.g. {left[0]}); a new store over the directory "
+                f"removes them (or DiskTier(path).sweep())")
 
     # ------------------------------------------------------------------- reads
 
