@@ -725,3 +725,43 @@ def test_a_batch_call_given_one_key_says_so(store, call):
     with pytest.raises(TypeError, match="not one str 'ab'"):
         getattr(store, call)("ab")
     assert getattr(store, call)(iter(["a", "b"]))[1] is None    # other iterables still do
+
+
+def test_empty_ssd_path_is_refused(store_name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)                   # "" used to make the tier right here
+    with pytest.raises(ValueError, match="ssd= is an empty path: pass the directory"):
+        TieredStore(name=store_name, dram="1MiB", ssd="")
+    assert os.listdir(tmp_path) == []
+    assert not os.path.exists(shm_path(store_name))
+
+
+def _ssd_path(tmp_path, case: str) -> tuple[str, type, str]:
+    """An ssd= that cannot be a directory, the error it must raise and what that says."""
+    if case == "in /proc":
+        return "/proc/yrcache-ssd", FileNotFoundError, r"cannot create SSD tier directory /proc/yrcache-ssd: " \
+            r"/proc exists but does not let directories be made in it"
+    if case == "deep in /proc":
+        return "/proc/yrcache/ssd", FileNotFoundError, r"cannot create /proc/yrcache, a parent of SSD tier"
+    nvme = tmp_path / "nvme"                       # a mount point with nothing mounted on it
+    nvme.mkdir()
+    link = tmp_path / "link"
+    os.symlink(nvme / "yrcache", link)
+    dangling = rf"{link} is a symbolic link to {nvme / 'yrcache'}, which does not exist \(a disk that is not mounted\?\)"
+    if case == "dangling symlink":
+        return str(link), FileNotFoundError, dangling
+    if case == "under a dangling symlink":
+        return str(link / "a" / "ssd"), FileNotFoundError, dangling
+    (tmp_path / "file").write_bytes(b"")
+    return str(tmp_path / "file" / "ssd"), NotADirectoryError, rf"{tmp_path / 'file'} exists and is not a directory"
+
+
+@pytest.mark.parametrize("case", ["in /proc", "deep in /proc", "dangling symlink", "under a dangling symlink",
+                                  "under a file"])
+def test_ssd_path_that_cannot_be_a_directory_is_explained(store_name, tmp_path, case):
+    if "proc" in case and not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    ssd, exc, says = _ssd_path(tmp_path, case)
+    with pytest.raises(exc, match=says):
+        TieredStore(name=store_name, dram="1MiB", ssd=ssd)
+    assert not os.path.exists(tmp_path / "nvme" / "yrcache"), "made a directory where the disk should be"
+    assert not os.path.exists(shm_path(store_name))

@@ -135,6 +135,9 @@ class Settings:
             dram_b = parse_size(DEFAULT_DRAM)
         if dram_b < MIN_DRAM:
             raise ValueError(f"dram must be at least {format_size(MIN_DRAM)}, got {dram_b} bytes")
+        if ssd is not None and not os.fspath(ssd):
+            raise ValueError("ssd= is an empty path: pass the directory for the SSD tier (for example "
+                             "ssd='/mnt/nvme/yrcache'), or leave ssd= out for a store without one")
         if ssd_b is not None and ssd is None:
             raise ValueError("ssd_size= needs ssd= (the directory for the SSD tier)")
         if device is not None and not hbm_b:

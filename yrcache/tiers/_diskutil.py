@@ -74,20 +74,63 @@ def check_file(path: str, st: os.stat_result) -> None:
         raise untrusted("file", path, st, why)
 
 
-def make_dir(d: str, *, root: bool = False) -> None:
+def make_dir(d: str, *, root: bool = False, _parents: bool = True) -> None:
     """Create ``d`` mode 0700 (and missing parents), or check that the existing
     one is ours alone.  The tier directory itself (``root``) may be a symlink
     the user made: what must be ours is where it leads.  Inside it we never
-    make symlinks, so none is accepted there."""
+    make symlinks, so none is accepted there.  A path that cannot be a
+    directory (a dangling symlink on the way, a file, a virtual filesystem
+    such as ``/proc``) raises an OSError that names it and says why."""
     try:
         os.mkdir(d, 0o700)
-    except FileNotFoundError:          # missing parents of the tier directory
-        os.makedirs(os.path.dirname(d), exist_ok=True)
-        make_dir(d, root=root)
+    except FileNotFoundError:
+        parent = os.path.dirname(d)
+        if not _parents:           # the parent is there and still "no such file"
+            raise _blocked(d) or FileNotFoundError(
+                f"cannot create SSD tier directory {d}: {parent} exists but does not let "
+                f"directories be made in it (a virtual filesystem such as /proc or /sys?); "
+                f"pass ssd= a directory on a local disk") from None
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:     # FileExistsError: a component is a dangling symlink or a file
+            raise _blocked(d) or type(exc)(
+                f"cannot create {exc.filename or parent}, a parent of SSD tier directory {d}: "
+                f"{exc.strerror}; pass ssd= a directory on a local disk") from None
+        make_dir(d, root=root, _parents=False)
     except FileExistsError:
-        check_dir(d, os.stat(d) if root else os.lstat(d))
+        try:
+            st = os.stat(d) if root else os.lstat(d)
+        except FileNotFoundError:  # a symlink to nothing (stat follows it)
+            raise _blocked(d) or FileNotFoundError(f"SSD tier path {d} vanished; try again") from None
+        check_dir(d, st)
+    except (NotADirectoryError, PermissionError) as exc:
+        raise _blocked(d) or type(exc)(
+            f"cannot create SSD tier directory {d}: {exc.strerror}; pass ssd= a directory "
+            f"you may write on a local disk") from None
     else:
         os.chmod(d, 0o700)             # exact mode whatever the umask
+
+
+def _blocked(d: str) -> OSError | None:
+    """Why ``d`` cannot be made a directory, if a component of it is a
+    dangling symlink (an unmounted disk?) or not a directory."""
+    parts = [d]
+    while os.path.dirname(parts[-1]) != parts[-1]:
+        parts.append(os.path.dirname(parts[-1]))
+    for p in reversed(parts):
+        try:
+            st = os.lstat(p)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode) and not os.path.exists(p):
+            target = os.path.join(os.path.dirname(p), os.readlink(p))
+            return FileNotFoundError(
+                f"SSD tier path {d}: {p} is a symbolic link to {target}, which does not exist "
+                f"(a disk that is not mounted?); mount the disk it points to or create {target} "
+                f"if it belongs there, or pass ssd= another directory")
+        if not stat.S_ISLNK(st.st_mode) and not stat.S_ISDIR(st.st_mode):
+            return NotADirectoryError(f"SSD tier path {d}: {p} exists and is not a directory")
+    return None
 
 
 def check_subdirs(d: str) -> None:
