@@ -485,20 +485,18 @@ class Arena:
 
     # ----------------------------------------------------------- iteration
 
-    def keys(self, prefix: bytes = b"", alive: Callable[[], None] | None = None) -> Iterator[str]:
+    def keys(self, prefix: bytes = b"", alive: Callable[[], None] = lambda: None) -> Iterator[str]:
         """Keys starting with ``prefix`` in byte order from the sorted index: at most 128 per lock hold,
         each batch a logarithmic search plus its matches; ``alive()`` runs before each batch and key (may raise)."""
         after, size = b"", MREAD_BYTES
         while True:
-            if alive is not None:
-                alive()
+            alive()
             _, _, more, _, _, buf = _scratch()[:6]      # parsed before we yield: reusable
             n = lib.yr_keys(self.base, prefix, len(prefix), after, len(after), buf, size, 128, more)
             check(n, "keys", self.name)
             out, last = split_keys(ffi.buffer(buf, size), n), not more[0]
             for k in out:
-                if alive is not None:
-                    alive()                 # (resumed after a close: raise, as the next batch would)
+                alive()                     # (resumed after a close: raise, as the next batch would)
                 yield k.decode()
             if last:
                 return
