@@ -765,3 +765,12 @@ def test_ssd_path_that_cannot_be_a_directory_is_explained(store_name, tmp_path, 
         TieredStore(name=store_name, dram="1MiB", ssd=ssd)
     assert not os.path.exists(tmp_path / "nvme" / "yrcache"), "made a directory where the disk should be"
     assert not os.path.exists(shm_path(store_name))
+
+
+@pytest.mark.parametrize("env,what", [("YRCACHE_DRAM", "dram"), ("YRCACHE_SSD_SIZE", "ssd_size"),
+                                      ("YRCACHE_HBM", "hbm")])
+def test_a_bad_size_in_the_environment_names_the_variable(store_name, monkeypatch, env, what):
+    monkeypatch.setenv(env, "bogus")
+    with pytest.raises(ValueError, match=f"cannot parse {env} \\(the environment's {what}\\) 'bogus'"):
+        TieredStore(name=store_name)
+    assert not os.path.exists(shm_path(store_name))

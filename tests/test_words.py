@@ -59,6 +59,15 @@ def test_word_names_are_checked(make_store, bad):
         s.word(bad)
 
 
+@pytest.mark.parametrize("bad", [2 ** 64, -1, 1.5, "1"])
+def test_word_values_are_unsigned_64_bit(make_store, bad):
+    w = make_store().word("w")
+    for args in ((0, bad), (bad, 0)):
+        with pytest.raises(ValueError, match=r"unsigned 64-bit value: (expected|desired) must be an int in 0\.\.2\*\*64-1"):
+            w.cas(*args)
+    assert w.cas(0, 2 ** 64 - 1) and w.value == 2 ** 64 - 1 and w.cas(2 ** 64 - 1, 0)
+
+
 def test_info_describes_without_reading(make_store, tmp_path):
     s = make_store(ssd=tmp_path / "ssd")
     s.put("a", np.zeros((2, 3), np.float32), priority=5, ttl=60)

@@ -163,7 +163,8 @@ def encode(value: Any, allow_pickle: bool = False) -> tuple[bytes, Any, int]:
         return meta, (t.numpy() if same[1] else t.view(same[2]).numpy()), nbytes
     return _fallback(value, allow_pickle,
                      f"cannot store a {type(value).__name__}: store bytes, numpy arrays or torch "
-                     "tensors, or create the store with pickle=True for other objects")
+                     "tensors, or open the store with pickle=True for other objects (TieredStore(..., "
+                     "pickle=True), or TieredStore.attach(name, pickle=True) in an attached process)")
 
 
 _NESTED = ("nested tensors are not supported; store t.to_padded_tensor(0) and the lengths, "

@@ -77,6 +77,11 @@ def _env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
+def _size(arg: Any, what: str, env: str) -> int | None:
+    """A size argument, else its environment variable (an error names the one it came from)."""
+    return parse_size(arg, what) if arg is not None else parse_size(_env(env), f"{env} (the environment's {what})")
+
+
 def _ratios(ratios) -> tuple[float, float, float]:
     if ratios is None:
         return (0.0, 1.0, 0.0)
@@ -113,11 +118,11 @@ class Settings:
         """Validate the constructor's arguments (falling back on ``YRCACHE_*``)."""
         if policy not in ("spill", "cache"):
             raise ValueError(f"policy must be 'spill' or 'cache', not {policy!r}")
-        dram_b = parse_size(dram if dram is not None else _env("YRCACHE_DRAM"), "dram")
+        dram_b = _size(dram, "dram", "YRCACHE_DRAM")
         explicit = dram_b is not None
         ssd = ssd if ssd is not None else _env("YRCACHE_SSD")
-        ssd_b = parse_size(ssd_size if ssd_size is not None else _env("YRCACHE_SSD_SIZE"), "ssd_size")
-        hbm_b = parse_size(hbm if hbm is not None else _env("YRCACHE_HBM"), "hbm")
+        ssd_b = _size(ssd_size, "ssd_size", "YRCACHE_SSD_SIZE")
+        hbm_b = _size(hbm, "hbm", "YRCACHE_HBM")
         cap_b = parse_size(capacity, "capacity")
         if cap_b is not None:
             explicit = True
