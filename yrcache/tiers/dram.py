@@ -25,8 +25,8 @@ from .. import pinning, stopping
 from ..errors import StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
-from .word import Word  # noqa: F401 - dram.Word
-from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, damaged, records, split_keys
+from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, damaged, records, split_keys, \
+    word_value_error
 from .segment import (SHM_DIR, allocate, check_name, check_trusted, creation_done, destroy,  # noqa: F401
                       list_stores, no_room, open_segment, proc_starttime, seg_path, shm_name, unlink_if)
 
@@ -102,6 +102,42 @@ class Reservation:
 
     def __exit__(self, *exc) -> None:
         self.abort()
+
+
+class Word:
+    """A named word of the arena: a 64-bit value and a wake-up counter.  ``wait(seen, timeout)`` sleeps
+    on a futex until the counter differs from ``seen`` (read ``seq`` first); ``wake()`` bumps it and
+    wakes every process waiting.  No lock, no lookup, no syscall unless someone sleeps."""
+
+    __slots__ = ("arena", "ptr")
+
+    def __init__(self, arena: "Arena", off: int):
+        self.arena = arena          # keeps the mapping alive
+        self.ptr = ffi.cast("yr_word *", arena.cbase + off)
+
+    @property
+    def seq(self) -> int:
+        return self.ptr.seq
+
+    @property
+    def value(self) -> int:
+        return self.ptr.value
+
+    def cas(self, expected: int, desired: int) -> bool:
+        """Set ``value`` to ``desired`` if it is ``expected`` (atomically); both are 0..2**64-1."""
+        try:
+            return bool(lib.yr_word_cas(self.ptr, expected, desired))
+        except (OverflowError, TypeError):
+            raise word_value_error(expected, desired) from None
+
+    def wait(self, seen: int, timeout: float | None) -> bool:
+        """Sleep until ``seq`` differs from ``seen``; False on timeout."""
+        rc = lib.yr_futex_wait(ffi.addressof(self.ptr, "seq"), seen,
+                               -1.0 if timeout is None else max(timeout, 0.0))
+        return rc != 1
+
+    def wake(self) -> None:
+        lib.yr_futex_wake(ffi.addressof(self.ptr, "seq"))
 
 
 _tls = threading.local()

@@ -65,3 +65,12 @@ def damaged(what: str, name: str | None) -> CorruptObjectError:
         f"{what} failed: store {name or ''!r} is damaged: the lists in {seg} no longer match its blocks (was "
         f"the segment written by something other than yrcache?); remove it with `yrcache destroy {name or 'NAME'}` "
         "and store its data again")
+
+
+def word_value_error(expected: Any, desired: Any) -> ValueError:
+    """What ``Word.cas`` raises for a value the word cannot hold."""
+    for what, v in (("expected", expected), ("desired", desired)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
+            return ValueError(f"a word holds an unsigned 64-bit value: {what} must be an int in "
+                              f"0..2**64-1, got {v!r}")
+    return ValueError(f"word values must be ints in 0..2**64-1, got {expected!r} and {desired!r}")
