@@ -7,6 +7,7 @@ with world=3 for three: neither completes the version, nobody errors.
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 
 import pytest
 import torch
@@ -104,7 +105,8 @@ def test_racing_ranks_later_one_is_told(make_store, monkeypatch):
     assert parts_of(store, 1, 0) == []            # p2 wrote nothing
     assert WeightSubscriber(store, "policy").latest() is None
     # fixed, rank 1 republishes the version over its own stale manifest, and rank 0 completes it
-    assert publish(WeightPublisher(store, "policy", rank=1, world=2), 1) is False
+    with pytest.warns(RuntimeWarning, match="rank 1 of version 1 .* was published by another process"):
+        assert publish(WeightPublisher(store, "policy", rank=1, world=2), 1) is False
     assert publish(p2, 1) is True
 
 
@@ -140,3 +142,19 @@ def test_mismatched_worlds_in_processes(make_store):
         assert "world=2" in msg and "world=3" in msg, msg
     assert ("done", True) not in results
     assert WeightSubscriber(store, "policy").latest() is None
+
+
+def test_a_second_publisher_of_one_rank_is_warned(make_store):
+    """Two processes publishing as rank 0: the later one's parts silently replaced the first's."""
+    store = make_store()
+    a, b, one = (WeightPublisher(store, "policy", rank=r, world=2) for r in (0, 0, 1))
+    assert publish(a, 1, value=1.0) is False
+    with pytest.warns(RuntimeWarning, match="rank 0 of version 1 of 'policy' was published by another process"):
+        assert publish(b, 1, value=7.0) is False
+    assert publish(one, 1) is True
+    got = WeightSubscriber(store, "policy").fetch(1)["w"]
+    assert got[:2].eq(7.0).all() and got[2:].eq(1.0).all()      # the later parts are the version's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                          # the same publisher again: no warning
+        for p in (b, one):
+            publish(p, 2)

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -377,7 +378,7 @@ class WeightPublisher:
         """Check the world, announce the version and store this rank's parts: (their keys,
         the manifest's tensors, their placement, bytes). On failure the parts written are
         dropped."""
-        self._check_world(version)              # before writing anything
+        self._check_world(version, nonce)       # before writing anything
         self.board.begin(version, self.rank, self.world)
         tensors, written, nbytes = {}, [], 0
         owners_of = getattr(self.store, "owners", None)
@@ -414,17 +415,24 @@ class WeightPublisher:
             except ClusterUnavailableError:
                 pass
 
-    def _check_world(self, version: int) -> None:
+    def _check_world(self, version: int, nonce: str | None = None) -> None:
         """Refuse a version that another rank publishes with another ``world``.
 
         Ranks that disagree on ``world`` would each wait for a different set of
-        manifests and the version would never complete, silently.
+        manifests and the version would never complete, silently.  With our
+        ``nonce``: warn when another process has published our rank of it.
         """
         # O(1), no scan: the last rank that began the version, and the manifests
         # of our own world's ranks.  Of two ranks that disagree, each sees the
         # other's begin record or manifest by the time its manifest is written.
-        seen = [(rank, m.get("world")) for rank, m in
-                enumerate(self.board.rank_manifests(version, self.world)) if m is not None]
+        manifests = self.board.rank_manifests(version, self.world)
+        mine = manifests[self.rank]
+        if nonce is not None and mine is not None and mine.get("nonce") != nonce:
+            warnings.warn(f"rank {self.rank} of version {version} of {self.name!r} was published by another "
+                          f"process (parts {mine.get('nonce')!r}); this publish replaces them. If that "
+                          f"process is still running, two processes publish as rank {self.rank}: give each "
+                          f"its own rank", RuntimeWarning, stacklevel=5)
+        seen = [(rank, m.get("world")) for rank, m in enumerate(manifests) if m is not None]
         started = self.board.started_by(version)
         if started is not None:
             seen.append(started)
