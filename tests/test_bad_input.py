@@ -11,6 +11,7 @@ import gc
 import os
 import pickle
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -774,3 +775,15 @@ def test_a_bad_size_in_the_environment_names_the_variable(store_name, monkeypatc
     with pytest.raises(ValueError, match=f"cannot parse {env} \\(the environment's {what}\\) 'bogus'"):
         TieredStore(name=store_name)
     assert not os.path.exists(shm_path(store_name))
+
+
+def test_a_batch_that_does_not_fit_says_what_it_stored(make_store):
+    """mset is not atomic: the error names the values it did not store (the rest are there)."""
+    s = make_store(dram="8MiB")
+    s["old"] = b"keep"
+    batch = {"m1": np.ones(1000), "old": b"new", "m2": np.ones(2_000_000), "m3": np.ones(10), "m4": np.ones(100_000)}
+    with pytest.raises(StoreFullError) as ei:
+        s.mset(batch)
+    if sys.version_info >= (3, 11):                 # exception notes
+        assert ei.value.__notes__ == ["the batch stored every value but 2: 'm2', 'm4'"]
+    assert sorted(s.keys()) == ["m1", "m3", "old"] and bytes(s["old"]) == b"new"

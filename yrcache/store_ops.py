@@ -278,9 +278,16 @@ class StoreOps:
         if done == len(rows):
             return
         stored = {id(e) for e in small[:done]}
-        for e in rows:
+        for i, e in enumerate(rows):
             if id(e) not in stored:
-                p.put(*e, priority, expire_at, tier)
+                try:
+                    p.put(*e, priority, expire_at, tier)
+                except Exception as err:       # say what the batch stored (Python 3.11+: a note)
+                    left = [repr(r[0].decode()) for r in rows[i:] if id(r) not in stored]
+                    if hasattr(err, "add_note"):
+                        err.add_note(f"the batch stored every value but {len(left)}: "
+                                     f"{', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")
+                    raise
 
     def mget_raw(self, keys: Iterable[str]) -> list[tuple[bytes, memoryview] | None]:
         """``get_raw`` of several keys, None where missing: when every object is in DRAM,
