@@ -183,7 +183,9 @@ class StoreOps:
         Small values are stored 256 per hold of the arena lock; larger ones
         (and any that do not fit at once) one by one, as ``put`` does.
         ``items``: a mapping, or an iterable of ``(key, value)`` pairs; every
-        key is validated before anything is stored.
+        key is validated before anything is stored.  When a value cannot be
+        stored, the error (``StoreFullError``...) carries a note naming the
+        values of the batch that were not stored; the others were.
 
         Examples:
             >>> from yrcache import TieredStore
