@@ -90,9 +90,12 @@ def test_layout_and_modes(tmp_path):
     name = os.path.basename(f)
     # named by generation, a random part and the writer, never by key
     g, rand, writer = name.split(".")
-    assert g == f"{gen:016x}" and len(rand) == 8 and writer == _diskutil.writer_id()
+    assert g == f"{gen:016x}"[::-1] and len(rand) == 8 and writer == _diskutil.writer_id()
     assert os.path.basename(os.path.dirname(f)) == name[:2]
     assert t.used == 100 * KIB
+    # lowest hex digits first: consecutive generations go to different data/XX/ directories
+    gens = [put(t, payload(100 * KIB), key=f"k{i}") for i in range(4)]
+    assert len({os.path.basename(os.path.dirname(p)) for p in data_files(root)}) == 5, gens
     t.close()
 
 

@@ -451,7 +451,7 @@ def unlink(path: str) -> None:
 
 def remove_files_of(data_dir: str, prefix: str) -> int:
     """Remove the payload files of one generation (names starting ``prefix``,
-    ``GEN.``) whatever their writer; return how many.  O(files / 256)."""
+    ``GEN.``, see disk._gen_id) whatever their writer; return how many.  O(files / 256)."""
     sub = os.path.join(data_dir, prefix[:2])
     try:
         names = os.listdir(sub)

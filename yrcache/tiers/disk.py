@@ -74,6 +74,12 @@ _USED = "used"                 # the byte counter's index key; blob keys are int
 _ORPHAN_AGE = 300.0
 
 
+def _gen_id(gen: int) -> str:
+    """How a payload file's name begins: its generation in hex, lowest digit first, so that the
+    files of consecutive generations spread over the 256 ``data/XX/`` directories."""
+    return f"{gen:016x}"[::-1]
+
+
 class DiskTier(BlobTier):
     """SSD tier: blobs (``meta`` + payload) addressed by generation, in a
     directory holding an index (diskcache) and payload files.
@@ -254,7 +260,7 @@ class DiskTier(BlobTier):
         self._check_room(key, nbytes, self.used)
         # Named by generation (delete(gen) finds it without a record) and writer
         # (sweep() knows a dead writer will never commit it).
-        file_id = f"{gen:016x}.{uuid.uuid4().hex[:8]}.{du.writer_id()}"
+        file_id = f"{_gen_id(gen)}.{uuid.uuid4().hex[:8]}.{du.writer_id()}"
         final = self._file_path(file_id)
         tmp = os.path.join(self._tmp_dir, du.tmp_prefix() + file_id + ".tmp")
         try:
@@ -291,7 +297,7 @@ class DiskTier(BlobTier):
         if gen in self._dropped:        # we removed it whole (the common second call)
             self._dropped.discard(gen)
             return False
-        du.remove_files_of(self._data_dir, f"{gen:016x}.")
+        du.remove_files_of(self._data_dir, f"{_gen_id(gen)}.")
         du.clean_tmp(self._tmp_dir)
         return False
 
