@@ -7,8 +7,8 @@ Layout of the tier directory (created owner-only, mode 0700)::
                        (under a str key); small payloads live inline here
     path/data/XX/ID    payload files (XX = first two hex digits of ID), one
                        per blob at or above ``inline_threshold``; ID is
-                       ``GEN.RANDOM.NS-PID-START`` (generation, then the
-                       writing process); written once, never modified
+                       ``GEN.RANDOM.NS-PID-START`` (generation, lowest hex
+                       digit first, then the writing process); written once
     path/tmp/          payloads being written and payloads being removed
                        (``NS-PID-START-ID[.del].tmp``, NS-PID-START: the writer
                        or remover)
