@@ -465,12 +465,23 @@ class Forwarder(_Worker):
                 failed.update(it[0] for it in items)
         del per_target
         retry = []
+        settled = node.member_id in router.members
         for key, version in held:
             if key in failed:
                 retry.append((key, version))
-            elif key in stale or node.member_id not in node.owners(key):
+            elif key in stale or (settled and _surplus(node, key)):
                 node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
         return retry
+
+
+def _surplus(node: Any, key: str) -> bool:
+    """Whether this member's copy of ``key`` may go: the ring names owners of it, none of them
+    this member (the caller also checks that the ring it sees includes this member).  A ring
+    with no members, or without this one, says nothing about who holds what: it is what a
+    member sees when every member was stopped past its lease, or etcd came back empty, and
+    dropping then lost every copy."""
+    owners = node.owners(key)
+    return bool(owners) and node.member_id not in owners
 
 
 #: A periodic pass checks only the objects written since the previous pass began (a write
@@ -556,13 +567,13 @@ class Rebalancer(_Worker):
                     if not b:
                         missing[k].append(m)
         moved = 0
+        settled = me in router.members
         for k, v in mine:
-            owners = node.owners(k)
             targets = tuple(missing.get(k, ()))
             if targets:
                 node.forwarder.add(k, v, targets)
                 moved += 1
-            elif me not in owners and not incomplete:
+            elif not incomplete and settled and _surplus(node, k):
                 node.drop_if(k, v)           # every owner has it: our copy is surplus
         self.under_replicated = moved          # an incremental pass follows one that found none
         self.passes += 1
