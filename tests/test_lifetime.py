@@ -94,29 +94,35 @@ def test_sigkilled_owner_still_leaves_its_segment(store_name, tmp_path):
 
 
 STOPPED = """
-    import os, signal, sys, time
+    import os, signal, sys, threading, time
     from yrcache import TieredStore
     mode, sig = sys.argv[1], int(sys.argv[2])
     if mode == "own handler":
         signal.signal(sig, lambda *a: (print("mine", flush=True), os._exit(3)))
     s = TieredStore(name={name!r}, dram="4MiB", persist=mode == "persist")
     s["k"] = b"kept"
-    if mode == "forked child":      # the child inherits the handler, not the store's ownership
+    def fork():                     # the child gets the default action, not the store's ownership
         pid = os.fork()
         if pid == 0:                # (a pending signal could be dropped by a child's Python)
             os._exit(7) if signal.getsignal(sig) is not signal.SIG_DFL else time.sleep(60)
             os._exit(0)
-        os.kill(pid, sig)
+        os.kill(pid, sig)           # at once
         _, status = os.waitpid(pid, 0)
         print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
         assert os.path.exists({path!r}), "the child's stop removed its parent's store"
+    if mode == "forked child":
+        fork()
+    if mode == "child forked by a thread":
+        t = threading.Thread(target=fork)
+        t.start()
+        t.join()
     print("ready", flush=True)
     time.sleep(60)
     """
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-@pytest.mark.parametrize("mode", ["owner", "persist", "forked child", "own handler"])
+@pytest.mark.parametrize("mode", ["owner", "persist", "forked child", "child forked by a thread", "own handler"])
 def test_an_owner_asked_to_stop_removes_its_store(store_name, tmp_path, sig, mode):
     """`timeout`, Slurm and Kubernetes stop a job with SIGTERM (a closed terminal: SIGHUP),
     whose default action skips every cleanup: the owner's segment was left in /dev/shm."""
@@ -126,7 +132,7 @@ def test_an_owner_asked_to_stop_removes_its_store(store_name, tmp_path, sig, mod
                          stderr=subprocess.PIPE, text=True)
     try:
         lines = [p.stdout.readline().strip()]
-        if mode == "forked child":
+        if "child" in mode:
             lines.append(p.stdout.readline().strip())
         assert lines[-1] == "ready", (lines, p.stderr.read() if p.poll() is not None else "")
         reader = TieredStore.attach(store_name)     # a process still attached keeps its data
@@ -134,7 +140,7 @@ def test_an_owner_asked_to_stop_removes_its_store(store_name, tmp_path, sig, mod
         assert p.wait(30) == (3 if mode == "own handler" else -sig)
         assert bytes(reader["k"]) == b"kept"
         reader.close()
-        if mode == "forked child":
+        if "child" in mode:
             assert lines[0] == f"child {int(sig)}"   # it died of the signal as before
         if mode == "own handler":
             assert p.stdout.read().strip() == "mine"

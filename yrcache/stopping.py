@@ -7,7 +7,8 @@ and the signal still has its default action, yrcache installs a handler that doe
 owner's ``close()`` does to the name (``Arena.release_handle``: only a name, no lock taken),
 then restores the default action and sends the signal again, so the process ends as it would
 have, with the same status. A program that handles the signal itself keeps its handler (and
-should close its stores there). A forked child starts with the default action.
+should close its stores there). A forked child starts with the default action (the forking
+thread holds the signals back until the child has it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ __all__ = ["watch"]
 SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _owned: weakref.WeakSet[Any] = weakref.WeakSet()    # arenas this process owns
 _installed: set[int] = set()
-_paused: list[int] = []           # handlers set to the default action while forking
+_mask: list[Any] = []             # the forking thread's signal mask, while it forks
 
 
 def watch(arena: Any) -> None:
@@ -41,28 +42,31 @@ def watch(arena: Any) -> None:
 
 
 def _before_fork() -> None:
-    # A child must not start with the handler: Python drops a signal that arrives before
-    # its after-fork reset, so a child signalled at once (p.start(); p.terminate()) would
-    # live on. It owns no store anyway; it gets the default action (a fork from another
-    # thread cannot change handlers: that child keeps this one, which ends it as before).
-    _paused.clear()
-    if threading.current_thread() is threading.main_thread():
-        for sig in _installed:
-            if signal.getsignal(sig) is _stop:
-                signal.signal(sig, signal.SIG_DFL)
-                _paused.append(sig)
+    # A child must not start with the handler: Python drops a signal that reaches a child
+    # before its after-fork reset, so a child signalled at once (p.start(); p.terminate())
+    # would live on. The forking thread (any thread: the mask is per thread, and the child
+    # inherits it) holds the signals back until the child has the default action again.
+    _mask.clear()
+    if _installed:
+        _mask.append(signal.pthread_sigmask(signal.SIG_BLOCK, _installed))
 
 
 def _after_fork_in_parent() -> None:
-    for sig in _paused:
-        signal.signal(sig, _stop)
-    _paused.clear()
+    if _mask:
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask.pop())
 
 
 def _after_fork_in_child() -> None:
-    _installed.difference_update(_paused)     # (a store the child makes installs it again)
-    _paused.clear()
-    _owned.clear()
+    _owned.clear()              # it owns no store (a store it makes installs the handler again)
+    for sig in list(_installed):
+        try:
+            if signal.getsignal(sig) is _stop:
+                signal.signal(sig, signal.SIG_DFL)   # (the forking thread is the child's main one)
+        except ValueError:
+            pass
+    _installed.clear()
+    if _mask:                   # a signal held back is delivered now, with the default action
+        signal.pthread_sigmask(signal.SIG_SETMASK, _mask.pop())
 
 
 os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
