@@ -24,11 +24,11 @@ pytest.importorskip("pyetcd")
 from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
 from procs import sigstop  # noqa: E402
 
-from yrcache import Tier, TieredStore, WriteMode  # noqa: E402
+from yrcache import Tier, TieredStore, WriteMode, codec  # noqa: E402
 from yrcache._fast import OwnPuts  # noqa: E402
 from yrcache.cluster import transport as tp  # noqa: E402
 from yrcache.cluster.store import ClusterStore  # noqa: E402
-from yrcache.errors import AuthenticationError, ClusterUnavailableError  # noqa: E402
+from yrcache.errors import AuthenticationError, ClusterUnavailableError, StoreClosedError  # noqa: E402
 
 
 @pytest.fixture
@@ -831,6 +831,25 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
         harness.wait_members(c, 2, timeout=5)
         c.put(single, value(3), write_mode="none")       # the ring without b: its new owner
         assert int(c[single][0]) == 3
+
+
+def test_bad_arguments_are_refused_before_anything_is_sent(harness):
+    harness.start(1)
+    with harness.client(write_mode="write_through") as c:
+        harness.wait_members(c, 1)
+        c.put("k", value(1), sync_timeout=5)
+        meta, payload, nbytes = codec.encode(value(2))
+        for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+            for call in (lambda: c.put("k", value(2), sync_timeout=bad),
+                         lambda: c.mset({"k": value(2)}, sync_timeout=bad),
+                         lambda: c.put_with("k", meta, nbytes, payload, sync_timeout=bad)):
+                with pytest.raises(ValueError, match="sync_timeout must be a number of seconds > 0"):
+                    call()
+        assert int(c["k"][0]) == 1
+        assert ("k" * 1025) not in c and "" not in c     # (a 1025-byte key was sent; members hung up)
+        assert "k" in c and len(c) == 1
+    with pytest.raises(StoreClosedError):
+        len(c)
 
 
 @pytest.mark.parametrize("n", [1, 2])

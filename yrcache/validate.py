@@ -103,3 +103,13 @@ def timeout(value: float | None) -> float | None:
         raise ValueError(f"timeout must be a number of seconds >= 0, or None to wait as long as it "
                          f"takes; got {value!r}")
     return float(value)
+
+
+def sync_timeout(value: float | None) -> float | None:
+    """A write-through put's ``sync_timeout``: None (the store's default) or seconds > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"sync_timeout must be a number of seconds > 0 (how long a write-through put "
+                         f"waits for its owners), or None for the default; got {value!r}")
+    return float(value)

@@ -29,7 +29,8 @@ from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError
 from ..store import TieredStore
 from ..types import Value
-from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority
+from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, \
+    sync_timeout as _sync_timeout
 from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
@@ -169,6 +170,8 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
             ttl: float | None = None, write_mode: WriteMode | str | None = None,
             sync_timeout: float | None = None) -> None:
         """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
+        if sync_timeout is not None:
+            sync_timeout = _sync_timeout(sync_timeout)
         own = self._own
         if own is not None:
             # the common hybrid case, an ASYNC put with no options, in one C call
@@ -206,6 +209,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         """``TieredStore.put_with`` for a cluster: ``fill(view)`` writes the payload into a
         private buffer (``fill`` may also be that buffer), which is then sent to the owners."""
         self._check_open()
+        sync_timeout = _sync_timeout(sync_timeout)
         key_bytes(key)
         nbytes = payload_nbytes(key, fill, nbytes)
         codec.check_header(meta, nbytes)
@@ -253,6 +257,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
     def _put_encoded(self, rows: list[tuple[str, bytes, Any, int]], tier: Tier | None, priority: int,
                      ttl: float | None, write_mode: WriteMode | str | None, sync_timeout: float | None) -> None:
         pr, exp, mode = _priority(priority), _expire_at(ttl) or 0.0, self._mode(write_mode)
+        sync_timeout = _sync_timeout(sync_timeout)
         router = self._router
         router._need_members()
         if tier is None and self._local is not None and any(r[3] >= HERE_MIN for r in rows):
@@ -400,6 +405,10 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         if not isinstance(key, str):
             return False
         self._check_open()
+        try:
+            key_bytes(key)
+        except ValueError:              # as TieredStore: no such key (and nothing sent)
+            return False
         if self._local_get(key) is not None:
             return True
         return self._router.read(key, 0, 0) is not None
@@ -410,6 +419,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         return iter(sorted(self._router.keys(prefix)))
 
     def __len__(self) -> int:
+        self._check_open()
         return len(self._router.keys(""))
 
     # ---- the rest of the store API -----------------------------------------------------
