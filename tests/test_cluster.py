@@ -833,6 +833,22 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
         assert int(c[single][0]) == 3
 
 
+def test_flush_waits_for_a_dead_member_to_leave_the_ring(harness):
+    """It gave up at once ("did not finish within 20 s") when a member did not answer."""
+    a, b = harness.start(2)
+    with harness.client(replicas=2) as c:
+        harness.wait_members(c, 2)
+        c.mset({f"f{i}": value(i) for i in range(20)}, write_mode="async")
+        b.sigkill()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"did not finish within 0.5 s: .*{b.member_id} does not answer"):
+            c.flush(timeout=0.5)
+        assert time.monotonic() - t0 >= 0.5
+        c.flush(timeout=TTL * 5)        # the lease ends, the ring drops b: nothing left to wait for
+        assert time.monotonic() - t0 < TTL * 5 and len(c._router.members) == 1
+        assert [int(c[f"f{i}"][0]) for i in range(20)] == list(range(20))
+
+
 def test_bad_arguments_are_refused_before_anything_is_sent(harness):
     harness.start(1)
     with harness.client(write_mode="write_through") as c:

@@ -454,9 +454,15 @@ class Peer:
         return self._call(go)
 
     def flush(self, timeout: float = 60.0) -> bool:
+        """Whether the member forwarded everything it queued within ``timeout`` (> 0) seconds."""
         def go(c: Conn) -> bool:
-            c.sock.sendall(pack(FLUSH, expire_at=timeout))
-            return c.reply(FLUSH).status == OK
+            c.sock.sendall(pack(FLUSH, expire_at=max(timeout, 0.001)))   # (0 would mean its 60 s)
+            try:
+                return c.reply(FLUSH).status == OK
+            except RemoteError as e:    # its answer when the time ran out
+                if e.status == ERROR:
+                    return False
+                raise
         return self._call(go, timeout + 5)
 
     def ping(self, timeout: float | None = None) -> None:

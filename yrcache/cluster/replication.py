@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,7 @@ REBALANCE_RATE = parse_size(os.environ.get("YRCACHE_REBALANCE_RATE") or "1GiB") 
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
+FLUSH_POLL_S = 0.2            # flush() asks a member that does not answer again this often
 
 
 Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call
@@ -466,17 +468,27 @@ class Router(RangedReads, FanOut):
                 out.append({"member": m, "error": str(e)})
         return out
 
-    def flush(self, timeout: float = 60.0) -> bool:
-        ok = True
-        for m in list(self.members):
-            node = self.node
-            if node is not None and m == node.member_id:
-                ok &= node.forwarder.wait(timeout)
-                continue
-            peer = self.peer(m)
-            if peer is not None:
+    def flush(self, timeout: float = 60.0) -> list[str]:
+        """Wait until every member has forwarded what it queued, for up to ``timeout``
+        seconds: a member that does not answer is asked again until it answers or leaves
+        the ring (its lease). What stopped it: one line per member that did not finish."""
+        deadline, node = time.monotonic() + timeout, self.node
+        while True:
+            left = []
+            for m in list(self.members):
+                rest = max(0.0, deadline - time.monotonic())
+                if node is not None and m == node.member_id:
+                    if not node.forwarder.wait(rest):
+                        left.append(f"{m} (this process's member) is still forwarding")
+                    continue
+                peer = self.peer(m)
+                if peer is None:
+                    continue                # it left: nothing of its to wait for
                 try:
-                    ok &= peer.flush(timeout)
-                except ClusterUnavailableError:
-                    ok = False
-        return ok
+                    if not peer.flush(rest):
+                        left.append(f"{m} is still forwarding")
+                except ClusterUnavailableError as e:
+                    left.append(f"{m} does not answer ({e})")
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(min(FLUSH_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -452,12 +452,15 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         return out
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every member has forwarded what it queued (``ASYNC`` writes, hand-overs)."""
+        """Wait until every member has forwarded what it queued (``ASYNC`` writes, hand-overs),
+        for up to ``timeout`` seconds (a member that dies meanwhile is waited for until its
+        lease ends and the ring drops it); ``TimeoutError`` names the members that did not."""
         self._check_open()
         if self._local is not None:
             self._local.flush()
-        if not self._router.flush(timeout):
-            raise TimeoutError(f"replication did not finish within {timeout:g} s (a member may be down)")
+        left = self._router.flush(timeout)
+        if left:
+            raise TimeoutError(f"replication did not finish within {timeout:g} s: {'; '.join(left)}")
 
     def stats(self) -> dict[str, Any]:
         """The embedded store's keys, for the cluster: ``tiers`` and the moved/pinned
