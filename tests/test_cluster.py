@@ -846,7 +846,8 @@ def test_flush_waits_for_a_dead_member_to_leave_the_ring(harness):
         assert time.monotonic() - t0 >= 0.5
         c.flush(timeout=TTL * 5)        # the lease ends, the ring drops b: nothing left to wait for
         assert time.monotonic() - t0 < TTL * 5 and len(c._router.members) == 1
-        assert [int(c[f"f{i}"][0]) for i in range(20)] == list(range(20))
+        # (an ASYNC write is acknowledged by one owner: those b took and had not passed on are gone)
+        assert all(int(c[k][0]) == int(k[1:]) for k in c.keys(prefix="f"))
 
 
 def test_bad_arguments_are_refused_before_anything_is_sent(harness):
