@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("pyetcd")
-from cluster_util import TTL, ClusterHarness, Etcd, wait_for  # noqa: E402
+from cluster_util import TTL, ClusterHarness, Etcd, free_port, wait_for  # noqa: E402
 from procs import sigstop  # noqa: E402
 
 from yrcache import Tier, TieredStore, WriteMode, codec  # noqa: E402
@@ -831,6 +831,17 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
         harness.wait_members(c, 2, timeout=5)
         c.put(single, value(3), write_mode="none")       # the ring without b: its new owner
         assert int(c[single][0]) == 3
+
+
+def test_a_dead_first_etcd_endpoint_is_skipped(harness, etcd):
+    """``etcd://DEAD,LIVE/name``: each retry went back to the dead endpoint (about one start in 2 failed)."""
+    harness.start(1)
+    dead = f"127.0.0.1:{free_port()}"
+    for i in range(5):
+        with TieredStore(cluster=f"etcd://{dead},{etcd.endpoint}/{harness.cluster}", member=False,
+                         lease_ttl=TTL) as s:
+            s.put(f"x{i}", b"1")
+            assert bytes(s[f"x{i}"]) == b"1"
 
 
 def test_flush_waits_for_a_dead_member_to_leave_the_ring(harness):

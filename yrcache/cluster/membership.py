@@ -56,6 +56,7 @@ MAX_NAME_LEN = 128
 _LOG_EVERY_S = 5.0
 _MAX_BACKOFF_S = 0.5
 START_S = 2.0          # start() tries etcd this long (a connect refused once by a busy etcd)
+MULTI_RETRY_S = 2.0    # with several endpoints, how long one that failed is left alone
 
 OnChange = Callable[[dict[str, "MemberInfo"]], None]
 
@@ -260,8 +261,11 @@ class Membership:
         opts = [("grpc.initial_reconnect_backoff_ms", 100),
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 500)]
+        # With several endpoints a dead one is skipped for longer: one that comes back within
+        # 0.2 s of failing was tried again at once, so each retry went to the dead endpoint.
         pyetcd = _pyetcd()
-        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=0.2, opts=opts)
+        retry = 0.2 if len(self._endpoints) == 1 else MULTI_RETRY_S
+        eps = [pyetcd.Endpoint(h, p, secure=False, time_retry=retry, opts=opts)
                for h, p in self._endpoints]
         return pyetcd.MultiEndpointEtcd3Client(endpoints=eps, timeout=self._rpc_timeout,
                                                failover=True)
