@@ -833,6 +833,16 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
         assert int(c[single][0]) == 3
 
 
+@pytest.mark.parametrize("var,raw,says", [("YRCACHE_MEMBER", "maybe", "is not a yes/no value"),
+                                          ("YRCACHE_LEASE_TTL", "abc", "is not a number of seconds"),
+                                          ("YRCACHE_LEASE_TTL", "0", "give a number of seconds > 0")])
+def test_a_bad_cluster_variable_is_named(monkeypatch, var, raw, says):
+    """(YRCACHE_MEMBER=maybe was a client; a bad TTL was float()'s message.)"""
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=f"{var}='{raw}' {says}|{var}='{raw}': {says}"):
+        TieredStore(cluster=f"etcd://127.0.0.1:{free_port()}/x")
+
+
 def test_a_dead_first_etcd_endpoint_is_skipped(harness, etcd):
     """``etcd://DEAD,LIVE/name``: each retry went back to the dead endpoint (about one start in 2 failed)."""
     harness.start(1)

@@ -83,3 +83,16 @@ def test_a_thread_that_cannot_start_costs_one_connection_not_the_server(server, 
         s.close()
     wait_for(lambda: not server._handshakes, 5, "the silent connections' handshakes to end")
     _ping(server)
+
+
+def test_a_listen_address_that_cannot_be_served_says_which_and_what_to_do():
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        for listen, why in ((f"127.0.0.1:{port}", "Address already in use"), ("no-such-host.invalid:1234", "")):
+            with pytest.raises(OSError, match=rf"cannot listen on '{listen}' \(listen= or YRCACHE_LISTEN\): {why}.*port 0"):
+                tp.Server(tp.Handler(), listen, token=b"secret")
+    finally:
+        taken.close()

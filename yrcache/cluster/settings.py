@@ -10,8 +10,9 @@ from urllib.parse import urlparse
 
 from ..config import Tier
 
-#: What ``YRCACHE_MEMBER`` (and other boolean variables) count as true.
+#: What ``YRCACHE_MEMBER`` (and other boolean variables) count as true, and as false.
 ENV_TRUE = ("1", "true", "yes", "on")
+ENV_FALSE = ("0", "false", "no", "off")
 
 
 def parse_cluster(cluster: str | None) -> tuple[str, str]:
@@ -41,6 +42,32 @@ def env_int(name: str, default: int, minimum: int | None = None) -> int:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name}={raw!r} is below {minimum}: give an integer >= {minimum}")
+    return value
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """The yes/no in the environment variable ``name``, ``default`` when unset or empty."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.strip().lower() in ENV_TRUE:
+        return True
+    if raw.strip().lower() in ENV_FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a yes/no value: use 1/0, true/false, yes/no or on/off")
+
+
+def env_seconds(name: str, default: float) -> float:
+    """The number of seconds (> 0) in the environment variable ``name``, ``default`` when unset."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={raw!r}: give a number of seconds > 0")
     return value
 
 

@@ -35,7 +35,7 @@ from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
 from .records import Mirror, SharedWord
-from .settings import ENV_TRUE, check_tier, env_int, parse_cluster
+from .settings import check_tier, env_bool, env_int, env_seconds, parse_cluster
 from .joining import Joining
 from .sharing import HERE_MIN, NodeSharing
 from .replication import Router, decode
@@ -111,10 +111,10 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         self._mode_default: WriteMode = _write_mode(write_mode or os.environ.get("YRCACHE_WRITE_MODE")) \
             or WriteMode.WRITE_THROUGH
         if member is None:
-            member = os.environ.get("YRCACHE_MEMBER", "1").lower() in ENV_TRUE
+            member = env_bool("YRCACHE_MEMBER", True)
         tok = token if token is not None else os.environ.get("YRCACHE_TOKEN")
         token_b = tok.encode() if tok else None
-        ttl = lease_ttl if lease_ttl is not None else float(os.environ.get("YRCACHE_LEASE_TTL") or 10.0)
+        ttl = lease_ttl if lease_ttl is not None else env_seconds("YRCACHE_LEASE_TTL", 10.0)
         #: This process's etcd lease TTL in seconds: a dead member leaves the ring this long
         #: after it died (when the members use the same TTL).
         self.lease_ttl = ttl

@@ -159,7 +159,13 @@ class Server:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        try:
+            self._sock.bind((host, port))
+        except OSError as e:              # in use, no such host, not this machine's address
+            self._sock.close()
+            raise type(e)(e.errno, f"cannot listen on {listen!r} (listen= or YRCACHE_LISTEN): "
+                                   f"{e.strerror}; pick a free port on an address of this machine, "
+                                   f"or port 0 for any free one") from None
         self._sock.listen(128)
         self.host, self.port = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
