@@ -182,8 +182,9 @@ class Membership:
                 self._client.close()
                 self._state = "closed"
                 where = ",".join(f"{h}:{p}" for h, p in self._endpoints)
+                why = " ".join(str(exc).split())[:300] or type(exc).__name__   # (gRPC's are many lines)
                 raise ClusterUnavailableError(
-                    f"etcd at {where} did not answer for {START_S:g} s ({exc!r}); start etcd "
+                    f"etcd at {where} did not answer for {START_S:g} s ({why}); start etcd "
                     "there or fix the endpoints") from exc
         self._state = "running"
         targets = [self._watch_loop] + ([self._keepalive_loop] if self.register else [])
