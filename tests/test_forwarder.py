@@ -37,7 +37,7 @@ class Node:
         self.single: set[str] = set()
         self.reads: list[str] = []
         self.peer = Peer()
-        self.router = types.SimpleNamespace(peer=lambda m: self.peer)
+        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None})
         self.local = types.SimpleNamespace(info=lambda key: {})
 
     def read(self, key):

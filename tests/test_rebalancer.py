@@ -37,7 +37,7 @@ class Node:
     def __init__(self) -> None:
         self.versions: dict[str, tuple[int, int]] = {}
         self.peer = Peer()
-        self.router = types.SimpleNamespace(peer=lambda m: self.peer)
+        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None})
         self.forwarder = types.SimpleNamespace(add=lambda *a: pytest.fail(f"nothing is missing: {a}"))
 
     def owners(self, key):
@@ -110,3 +110,16 @@ def test_the_router_reports_a_restarted_member_as_a_change():
     router.update({"a": MemberInfo("a", "127.0.0.1:1", 1, 10)})
     assert len(calls) == 3
     router.close()
+
+
+@pytest.mark.parametrize("ring", ["empty", "without me", "others own it"])
+def test_a_copy_goes_only_when_a_ring_with_this_member_names_other_owners(rebalancer, ring):
+    """A member back from a pause past its lease (every member was: a suspended VM) saw an
+    empty ring for a moment, so no key had owners, and dropped every object it held."""
+    rb, node = rebalancer
+    dropped: list[str] = []
+    node.drop_if = lambda key, version: dropped.append(key)
+    node.owners = lambda key: [] if ring == "empty" else ["b"]
+    node.router.members = {"b": None} if ring == "without me" else {"me": None, "b": None}
+    rb.run_pass()
+    assert sorted(dropped) == (["old", "older"] if ring == "others own it" else [])
