@@ -388,12 +388,17 @@ def clean_tmp(tmp_dir: str) -> int:
                 continue
         elif alive:
             continue
-        try:
-            os.unlink(p)
-            removed += 1
-        except FileNotFoundError:
-            pass
+        removed += _removed(p)
     return removed
+
+
+def _removed(path: str) -> int:
+    """1 if this call removed file ``path``, 0 if it was gone already."""
+    try:
+        os.unlink(path)
+        return 1
+    except FileNotFoundError:
+        return 0
 
 
 # --------------------------------------------------------------------------
@@ -429,15 +434,7 @@ def stray_candidates(data_dir: str, min_age: float) -> list[tuple[str, str]]:
 
 def remove_strays(candidates: list[tuple[str, str]], referenced: set[str]) -> int:
     """Remove the candidates whose name is not in ``referenced``; return how many."""
-    removed = 0
-    for name, p in candidates:
-        if name not in referenced:
-            try:
-                os.unlink(p)
-                removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
+    return sum(_removed(p) for name, p in candidates if name not in referenced)
 
 
 def unlink(path: str) -> None:
