@@ -25,6 +25,7 @@ import os
 import random
 import signal
 import time
+from typing import Any, Callable
 
 import numpy as np
 import pytest
@@ -445,16 +446,13 @@ def _die_at(name, ssd, where, ready):
     time.sleep(300)                                    # not reached
 
 
-@pytest.mark.parametrize("where", ["payload file renamed, index not committed",
-                                   "on disk, spill stub not committed",
-                                   "index committed, old payload not unlinked"])
-def test_kill_mid_move_leaves_no_stray_file_after_adopt(cleanup_name, tmp_path, where):
+def _kill_at(where: str, die: Callable, *args: Any) -> None:
+    """Run ``die(*args, where, ready)`` in a forked child; check it was SIGKILLed at ``where``."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
-    name, ssd = cleanup_name, str(tmp_path / "ssd")
     ready = ctx.Event()
-    p = ctx.Process(target=_die_at, args=(name, ssd, where, ready), daemon=True)
+    p = ctx.Process(target=die, args=(*args, where, ready), daemon=True)
     p.start()
     p.join(60)
     if p.is_alive():
@@ -462,6 +460,14 @@ def test_kill_mid_move_leaves_no_stray_file_after_adopt(cleanup_name, tmp_path, 
         pytest.fail(f"the child never reached {where!r}")
     assert p.exitcode == -signal.SIGKILL, f"the child did not die at {where!r} (exit code {p.exitcode})"
     assert ready.is_set()
+
+
+@pytest.mark.parametrize("where", ["payload file renamed, index not committed",
+                                   "on disk, spill stub not committed",
+                                   "index committed, old payload not unlinked"])
+def test_kill_mid_move_leaves_no_stray_file_after_adopt(cleanup_name, tmp_path, where):
+    name, ssd = cleanup_name, str(tmp_path / "ssd")
+    _kill_at(where, _die_at, name, ssd)
     s = TieredStore(name=name, dram="1MiB")           # adopt: vacuums
     try:
         s.check()
@@ -487,19 +493,8 @@ def test_copies_of_retired_stubs_survive_a_killed_drainer_listed(cleanup_name, t
     those stubs on the retire list (they leave it only once their bytes are
     gone), so the next drain of any process deletes the copies: an attacher's
     ``check()`` finds no stray copy, with no vacuum."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
     name, ssd = cleanup_name, str(tmp_path / "ssd")
-    ready = ctx.Event()
-    p = ctx.Process(target=_die_at, args=(name, ssd, "index committed, old payload not unlinked", ready),
-                    daemon=True)
-    p.start()
-    p.join(60)
-    if p.is_alive():
-        kill_and_join(p)
-        pytest.fail("the child never reached its drain")
-    assert p.exitcode == -signal.SIGKILL and ready.is_set()
+    _kill_at("index committed, old payload not unlinked", _die_at, name, ssd)
     s = TieredStore.attach(name)                       # no adopt: no vacuum
     try:
         s.check()                                      # its drain deletes the old copy
@@ -560,24 +555,13 @@ def _attach_and_die(name, where, ready):
 def test_kill_mid_move_leaves_no_file_behind_while_the_owner_lives(cleanup_name, tmp_path, where):
     """No adopt and no vacuum here: what the dead attacher left is found
     through the stubs it left (swept to the retire list) and its temp files."""
-    import multiprocessing
-
     name, ssd = cleanup_name, str(tmp_path / "ssd")
     s = TieredStore(name=name, dram="1MiB", ssd=ssd, ssd_size="32MiB")
     try:
         for i in range(3):
             s.put(f"k{i}", arr(i))
         s.put("old", arr(50), tier=Tier.SSD)
-        ctx = multiprocessing.get_context("fork")
-        ready = ctx.Event()
-        p = ctx.Process(target=_attach_and_die, args=(name, where, ready), daemon=True)
-        p.start()
-        p.join(60)
-        if p.is_alive():
-            kill_and_join(p)
-            pytest.fail(f"the child never reached {where!r}")
-        assert p.exitcode == -signal.SIGKILL, f"the child did not die at {where!r} (exit code {p.exitcode})"
-        assert ready.is_set()
+        _kill_at(where, _attach_and_die, name)
         s.check()                                    # sweeps the dead attacher and drains
         s.flush()
         on_ssd = [k for k in s if s.tier_of(k) == Tier.SSD]
@@ -596,19 +580,8 @@ def test_new_store_over_the_directory_removes_what_dead_writers_left(cleanup_nam
     """The segment (and its retire list) is gone with the store; a new store
     over the directory removes the payload file a killed writer published
     without a record."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
     name, ssd = cleanup_name, str(tmp_path / "ssd")
-    ready = ctx.Event()
-    p = ctx.Process(target=_die_at, args=(name, ssd, "payload file renamed, index not committed", ready),
-                    daemon=True)
-    p.start()
-    p.join(60)
-    if p.is_alive():
-        kill_and_join(p)
-        pytest.fail("the child never reached its commit")
-    assert p.exitcode == -signal.SIGKILL and ready.is_set()
+    _kill_at("payload file renamed, index not committed", _die_at, name, ssd)
     assert dram.destroy(name)
     assert len(payload_files(ssd)) == 2              # "old" and the dead writer's stray
     s = TieredStore(name=name, dram="1MiB", ssd=ssd)
