@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from .. import _fast, codec
@@ -52,6 +52,7 @@ BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
 FLUSH_POLL_S = 0.2            # flush() asks a member that does not answer again this often
+FLUSH_SLACK_S = 0.5           # and waits this much past its timeout for the answers
 
 
 Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call
@@ -470,25 +471,29 @@ class Router(RangedReads, FanOut):
 
     def flush(self, timeout: float = 60.0) -> list[str]:
         """Wait until every member has forwarded what it queued, for up to ``timeout``
-        seconds: a member that does not answer is asked again until it answers or leaves
-        the ring (its lease). What stopped it: one line per member that did not finish."""
+        seconds: the members are asked at once, and one that does not answer is asked again
+        until it answers or leaves the ring (its lease). What stopped it: one line per
+        member that did not finish."""
         deadline, node = time.monotonic() + timeout, self.node
         while True:
-            left = []
+            asks = {}
             for m in list(self.members):
                 rest = max(0.0, deadline - time.monotonic())
                 if node is not None and m == node.member_id:
-                    if not node.forwarder.wait(rest):
-                        left.append(f"{m} (this process's member) is still forwarding")
-                    continue
-                peer = self.peer(m)
-                if peer is None:
-                    continue                # it left: nothing of its to wait for
-                try:
-                    if not peer.flush(rest):
-                        left.append(f"{m} is still forwarding")
-                except ClusterUnavailableError as e:
+                    asks[m] = _pool().submit(node.forwarder.wait, rest)
+                elif (peer := self.peer(m)) is not None:      # (one that left: nothing to wait for)
+                    asks[m] = _pool().submit(peer.flush, rest)
+            done, _ = wait(asks.values(), timeout=max(0.0, deadline - time.monotonic()) + FLUSH_SLACK_S)
+            left = []
+            for m, ask in asks.items():
+                if ask not in done:
+                    left.append(f"{m} does not answer")
+                elif (e := ask.exception()) is not None:
+                    if not isinstance(e, ClusterUnavailableError):
+                        raise e
                     left.append(f"{m} does not answer ({e})")
+                elif not ask.result():
+                    left.append(f"{m} is still forwarding")
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(min(FLUSH_POLL_S, max(0.0, deadline - time.monotonic())))
