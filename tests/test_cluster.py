@@ -303,6 +303,7 @@ def test_a_child_forked_from_a_member_writes_through_it_and_leaves_it_a_member(h
     try:
         harness.wait_members(m, 2)
         m.put("before", b"parent")                       # pooled connections in the parent
+        m.flush(5)                                       # and its thread pool (a child's copy has no threads)
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:                                     # the child: report, then exit at once

@@ -89,13 +89,16 @@ def _first(owners: list[str], skip: str | None) -> str | None:
     return None
 
 
-_POOL: list[ThreadPoolExecutor] = []
+_POOL: dict[int, ThreadPoolExecutor] = {}
 
 
 def _pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-send"))
-    return _POOL[0]
+    """This process's pool (a forked child's copy of its parent's has no threads)."""
+    pool = _POOL.get(os.getpid())
+    if pool is None:
+        _POOL.clear()
+        pool = _POOL[os.getpid()] = ThreadPoolExecutor(max_workers=8, thread_name_prefix="yrcache-send")
+    return pool
 
 
 # ---- the client side -------------------------------------------------------------------
