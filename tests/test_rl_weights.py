@@ -314,6 +314,10 @@ def test_publish_validation_and_wait(make_store):
     assert sub.latest() == 2
     assert p1.publish({"w": t}, version=5, layout={"w": Shard(0, 1, 2)}) is True
     assert same(sub.fetch(5)["w"], torch.ones(8, 2))
+    with pytest.raises(KeyError, match=r"version 3 of 'policy' never completed \(readable: \[2, 5\]\)"):
+        sub.fetch(3)                        # (it said "reclaimed")
+    with pytest.raises(KeyError, match="version 1 of 'policy' was reclaimed"):
+        sub.fetch(1)
 
 
 def test_publish_and_fetch_refuse_what_they_cannot_store_before_writing(make_store):

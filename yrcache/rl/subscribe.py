@@ -310,6 +310,9 @@ class WeightSubscriber:
         if latest is None or version > latest:
             return (f"version {version} of {self.name!r} is not complete (latest complete: {latest}); "
                     "wait() for it")
+        done = self.board.complete_versions()
+        if done and version > done[0]:      # newer than a kept one: it was skipped, not reclaimed
+            return f"version {version} of {self.name!r} never completed (readable: {done}); fetch one of those"
         m = self.board.completion(latest)
         keep = m.get("keep", "?") if m else "?"
         return f"version {version} of {self.name!r} was reclaimed (keep={keep}); wait for a newer one"
