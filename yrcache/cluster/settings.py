@@ -6,6 +6,7 @@ arguments that the embedded store does not make.
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 from urllib.parse import urlparse
 
 from ..config import Tier
@@ -30,44 +31,44 @@ def parse_cluster(cluster: str | None) -> tuple[str, str]:
     return endpoints, os.environ.get("YRCACHE_CLUSTER") or "default"
 
 
-def env_int(name: str, default: int, minimum: int | None = None) -> int:
-    """The integer in the environment variable ``name``, ``default`` when unset or empty
-    (``ValueError`` if it is not an integer, or below ``minimum``)."""
+def _env(name: str, default: Any, parse: Callable[[str], Any], what: str) -> Any:
+    """``parse`` of the environment variable ``name``, ``default`` when unset or empty
+    (``ValueError`` naming the variable when ``parse`` refuses it)."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        value = int(raw)
+        return parse(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    """The integer in the environment variable ``name``, ``default`` when unset or empty
+    (``ValueError`` if it is not an integer, or below ``minimum``)."""
+    value = _env(name, default, int, "an integer")
     if minimum is not None and value < minimum:
-        raise ValueError(f"{name}={raw!r} is below {minimum}: give an integer >= {minimum}")
+        raise ValueError(f"{name}={os.environ[name]!r} is below {minimum}: give an integer >= {minimum}")
     return value
+
+
+def _yes_no(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ENV_TRUE or low in ENV_FALSE:
+        return low in ENV_TRUE
+    raise ValueError(raw)
 
 
 def env_bool(name: str, default: bool) -> bool:
     """The yes/no in the environment variable ``name``, ``default`` when unset or empty."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    if raw.strip().lower() in ENV_TRUE:
-        return True
-    if raw.strip().lower() in ENV_FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r} is not a yes/no value: use 1/0, true/false, yes/no or on/off")
+    return _env(name, default, _yes_no, "a yes/no value: use 1/0, true/false, yes/no or on/off")
 
 
 def env_seconds(name: str, default: float) -> float:
     """The number of seconds (> 0) in the environment variable ``name``, ``default`` when unset."""
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    value = _env(name, default, float, "a number of seconds")
     if not 0 < value < float("inf"):
-        raise ValueError(f"{name}={raw!r}: give a number of seconds > 0")
+        raise ValueError(f"{name}={os.environ[name]!r}: give a number of seconds > 0")
     return value
 
 
