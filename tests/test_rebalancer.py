@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from yrcache.cluster import member
+from yrcache.cluster import rebalance
 from yrcache.cluster.membership import MemberInfo
 from yrcache.cluster.replication import Router
 
@@ -46,10 +46,10 @@ class Node:
 
 @pytest.fixture
 def rebalancer(monkeypatch):
-    monkeypatch.setattr(member, "REPAIR_S", 3600.0)      # its own thread: the first pass, then idle
+    monkeypatch.setattr(rebalance, "REPAIR_S", 3600.0)      # its own thread: the first pass, then idle
     node = Node()
     node.versions = {"old": (hlc(3600), 1), "older": (hlc(7200), 1)}
-    rb = member.Rebalancer(node)
+    rb = rebalance.Rebalancer(node)
     deadline = time.monotonic() + 10
     while rb.passes < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -62,7 +62,7 @@ def test_a_periodic_pass_checks_only_what_was_written_since_the_last_one(rebalan
     rb, node = rebalancer
     assert sorted(node.peer.asked[-1]) == ["old", "older"]           # the first pass: everything
     node.versions["new"] = (hlc(0), 1)
-    node.versions["skewed"] = (hlc(member.SKEW_S / 2), 1)         # a writer whose clock runs behind
+    node.versions["skewed"] = (hlc(rebalance.SKEW_S / 2), 1)         # a writer whose clock runs behind
     assert rb.run_pass(full=False) is False
     assert sorted(node.peer.asked[-1]) == ["new", "skewed"]
     n = len(node.peer.asked)
@@ -86,7 +86,7 @@ def test_a_membership_change_and_every_tenth_periodic_pass_check_everything(reba
             done.set()
         return out
     monkeypatch.setattr(rb, "run_pass", spy)
-    monkeypatch.setattr(member, "REPAIR_S", 0.01)
+    monkeypatch.setattr(rebalance, "REPAIR_S", 0.01)
     rb.poke()                                    # the member set changed
     assert done.wait(30)
     with rb._cv:
@@ -94,7 +94,7 @@ def test_a_membership_change_and_every_tenth_periodic_pass_check_everything(reba
     # the poke's pass, then periodic ones: all of them every FULL_EVERY-th
     assert full[0] is True
     periodic = full[1:]
-    assert periodic[:member.FULL_EVERY] == [False] * (member.FULL_EVERY - 1) + [True]
+    assert periodic[:rebalance.FULL_EVERY] == [False] * (rebalance.FULL_EVERY - 1) + [True]
 
 
 def test_the_router_reports_a_restarted_member_as_a_change():
@@ -123,3 +123,26 @@ def test_a_copy_goes_only_when_a_ring_with_this_member_names_other_owners(rebala
     node.router.members = {"b": None} if ring == "without me" else {"me": None, "b": None}
     rb.run_pass()
     assert sorted(dropped) == (["old", "older"] if ring == "others own it" else [])
+
+
+def test_a_copy_an_owner_holds_a_newer_delete_of_goes(rebalancer):
+    """``HAVE`` answers 2 for a key the owner deleted at the asked version or later: the
+    member's older copy goes (it would come back to life once this member was read first)."""
+    rb, node = rebalancer
+    dropped: list[str] = []
+    node.drop_if = lambda key, version: dropped.append(key)
+    node.peer.have = lambda entries: bytes(2 if k == "old" else 1 for k, _ in entries)
+    rb.run_pass()
+    assert dropped == ["old"]
+
+
+def test_a_member_catching_up_is_read_last_and_not_in_place():
+    router = Router(replicas=2, token=None, member_id="b")
+    router.update({m: MemberInfo(m, f"127.0.0.1:{i + 1}", 1, 10 + i, catching_up=m == "b")
+                   for i, m in enumerate("abc")})
+    assert router.late == {"b"}
+    assert not router.reads_here() and router.asked_here(True) is None
+    assert router.last_late(["b", "c", "a"]) == ["c", "a", "b"]
+    router.update({m: MemberInfo(m, f"127.0.0.1:{i + 1}", 1, 10 + i) for i, m in enumerate("abc")})
+    assert router.late == frozenset() and router.reads_here() and router.asked_here(True) == "b"
+    router.close()

@@ -87,7 +87,7 @@ class Joining:
         self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
         address = os.environ.get("YRCACHE_ADVERTISE") or self._server.address
         self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
-                                      on_change=router.update).start()
+                                      on_change=router.update, on_rejoin=self._node.rebalancer.catch_up).start()
         router.update(self._membership.members())
         self._mirror = Mirror(self._local, endpoints, self.cluster)
         cfg = dict(self._local._config)

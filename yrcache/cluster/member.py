@@ -29,8 +29,8 @@ from .._fast import KeyLock, OwnPuts
 from ..config import Tier, WriteMode
 from ..errors import ClusterUnavailableError, StoreClosedError
 from . import transport as tp
-from .replication import (BATCH, IDLE_S, LINGER_S, QUEUE_MAX, REBALANCE_RATE, REPAIR_S, SETTLE_S, TOMBSTONE_S,
-                          Version, check_wire_meta)
+from .rebalance import Rebalancer, _surplus, _Worker
+from .replication import BATCH, IDLE_S, LINGER_S, QUEUE_MAX, REBALANCE_RATE, TOMBSTONE_S, Version, check_wire_meta
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -254,10 +254,16 @@ class Node(tp.Handler):
                 if not k.startswith(NODE_PREFIX)]
 
     def have(self, entries: list[tuple[str, Version]]) -> bytes:
+        """Per entry: 1 if this member holds the key at that version or newer, 2 if it
+        remembers a delete of it at that version or newer, else 0."""
         out = bytearray(len(entries))
+        tombs = self.tombs
         for i, (k, v) in enumerate(entries):
             cur = self.versions.get(k)
-            out[i] = cur is not None and cur >= v and k in self.local
+            if cur is not None:
+                out[i] = cur >= v and k in self.local
+            elif tombs and (t := tombs.get(k)) is not None:
+                out[i] = 2 * (t[0] >= v)
         return bytes(out)
 
     def stat(self) -> bytes:
@@ -275,25 +281,6 @@ def _ttl_tier(expire_at: float, flags: int) -> tuple[float | None, Tier | None]:
     """A frame's expiry as the ttl left, and its tier hint (from ``flags``)."""
     t = (flags >> tp.TIER_SHIFT) & 7
     return (None if not expire_at else max(expire_at - time.time(), 1e-3)), (Tier(t - 1) if t else None)
-
-
-class _Worker:
-    """A daemon thread running ``_loop`` over a condition variable, stopped by ``close``."""
-
-    def __init__(self, name: str) -> None:
-        self._cv = threading.Condition()
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-
-    def _loop(self) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        self._thread.join(timeout=5)
-
 
 RETRY_MIN_S = 0.05        # a target that failed is tried again after this, doubling ...
 RETRY_MAX_S = 1.0         # ... up to this
@@ -472,114 +459,3 @@ class Forwarder(_Worker):
             elif key in stale or (settled and _surplus(node, key)):
                 node.drop_if(key, version)      # handed over: nothing stays on a member that no longer owns it
         return retry
-
-
-def _surplus(node: Any, key: str) -> bool:
-    """Whether this member's copy of ``key`` may go: the ring names owners of it, none of them
-    this member (the caller also checks that the ring it sees includes this member).  A ring
-    with no members, or without this one, says nothing about who holds what: it is what a
-    member sees when every member was stopped past its lease, or etcd came back empty, and
-    dropping then lost every copy."""
-    owners = node.owners(key)
-    return bool(owners) and node.member_id not in owners
-
-
-#: A periodic pass checks only the objects written since the previous pass began (a write
-#: that missed an owner), less this much for writers' clocks that run behind; every
-#: ``FULL_EVERY``-th periodic pass, and every pass after a membership change, checks all.
-SKEW_S = 10.0
-FULL_EVERY = 10
-
-
-class Rebalancer(_Worker):
-    """Finds local objects whose owners lack them (after joins, leaves and deaths), and
-    every ``YRCACHE_REPAIR_S`` those written since its last pass that an owner lacks."""
-
-    def __init__(self, node: Node):
-        super().__init__("yrcache-rebalance")
-        self.node = node
-        self._due: float | None = time.monotonic()
-        self._full = True               # the next pass checks every object, not only recent writes
-        self._since = 0                 # a periodic pass checks the objects written from this hlc on
-        self._since_full = 0            # periodic passes since the last full one
-        self.passes = 0
-        self.full_passes = 0
-        self.under_replicated = 0
-        self._thread.start()
-
-    def poke(self) -> None:
-        """Check every object soon (the member set changed)."""
-        with self._cv:
-            self._due = time.monotonic()
-            self._full = True
-            self._cv.notify_all()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and (self._due is None or self._due > time.monotonic()):
-                    self._cv.wait(None if self._due is None else max(0.0, self._due - time.monotonic()))
-                if self._stop:
-                    return
-                self._due = None
-                full, self._full = self._full or self._since_full >= FULL_EVERY - 1, False
-            try:
-                again = self.run_pass(full)
-            except StoreClosedError:
-                return
-            except Exception as e:      # noqa: BLE001 - logged, tried again
-                log.warning("rebalancing pass failed: %s", e)
-                again = True
-            with self._cv:
-                self._full |= again
-                self._since_full = 0 if full else self._since_full + 1
-                if self._due is None:       # also a periodic pass: repairs what a failed write missed
-                    self._due = time.monotonic() + (SETTLE_S if again else REPAIR_S)
-
-    def run_pass(self, full: bool = True) -> bool:
-        """One pass over the local objects (``full`` False: only those written since the
-        last pass began, less ``SKEW_S``); True if something still needs doing."""
-        node, router = self.node, self.node.router
-        me = node.member_id
-        start = (time.time_ns() // 1000 - int(SKEW_S * 1e6)) << 8      # an hlc (fast_own.c)
-        want: dict[str, list[tuple[str, Version]]] = collections.defaultdict(list)
-        since = 0 if full else self._since
-        mine = [(k, v) for k, v in list(node.versions.items()) if v[0] >= since]
-        for k, v in mine:
-            for o in node.owners(k):
-                if o != me:
-                    want[o].append((k, v))
-        missing: dict[str, list[str]] = collections.defaultdict(list)
-        incomplete = False
-        for m, entries in want.items():
-            peer = router.peer(m)
-            if peer is None:
-                incomplete = True
-                continue
-            for i in range(0, len(entries), 2000):
-                chunk = entries[i:i + 2000]
-                try:
-                    bits = peer.have(chunk)
-                except (ClusterUnavailableError, tp.RemoteError, OSError):
-                    incomplete = True
-                    break
-                for (k, _), b in zip(chunk, bits):
-                    if not b:
-                        missing[k].append(m)
-        moved = 0
-        settled = me in router.members
-        for k, v in mine:
-            targets = tuple(missing.get(k, ()))
-            if targets:
-                node.forwarder.add(k, v, targets)
-                moved += 1
-            elif not incomplete and settled and _surplus(node, k):
-                node.drop_if(k, v)           # every owner has it: our copy is surplus
-        self.under_replicated = moved          # an incremental pass follows one that found none
-        self.passes += 1
-        self.full_passes += full
-        if not incomplete:
-            self._since = start
-        if moved:
-            log.info("rebalancing: %d of %d objects queued for their owners", moved, len(mine))
-        return incomplete or bool(moved)

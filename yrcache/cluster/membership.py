@@ -3,7 +3,8 @@
 This is the only yrcache module that imports the etcd client (``etcd-sdk-python``,
 imported as ``pyetcd``; it needs ``protobuf`` too). etcd holds one key per member,
 ``/yrcache/<cluster>/nodes/<member_id>``, whose JSON value is
-``{"address", "epoch", "pid"}`` and which is bound to a lease: a member that closes
+``{"address", "epoch", "pid"}`` (and ``"catching_up": true`` while it catches up, see
+below) and which is bound to a lease: a member that closes
 revokes it (the key goes at once), a member that dies stops refreshing it (the key
 goes after ``ttl``). No per-object metadata is ever written to etcd.
 
@@ -11,7 +12,10 @@ Two daemon threads per :class:`Membership`:
 
 - keepalive: refreshes the lease every ``ttl / 3``; if the lease is gone (etcd
   expired it while the process stalled, or someone deleted the key) it registers
-  again under a new lease, keeping the same ``epoch``.
+  again under a new lease, keeping the same ``epoch``. A member dropped that way
+  missed the writes made without it: with ``on_rejoin``, it first calls
+  ``on_rejoin(done)``, then registers marked ``catching_up`` (readers ask it last)
+  until the callee, having brought its copies up to date, calls ``done()``.
 - watch: lists the prefix, then watches it from the listed revision + 1. No etcd
   client re-arms a watch after an etcd restart, so when the stream breaks this
   thread lists again and re-watches from the new revision + 1 (which also covers a
@@ -59,6 +63,9 @@ START_S = 2.0          # start() tries etcd this long (a connect refused once by
 MULTI_RETRY_S = 2.0    # with several endpoints, how long one that failed is left alone
 
 OnChange = Callable[[dict[str, "MemberInfo"]], None]
+#: ``on_rejoin(done)``: bring the member's copies up to date, then call ``done()``
+#: (see ``Membership``; called on the keepalive thread before the key is put again).
+OnRejoin = Callable[[Callable[[], None]], None]
 
 
 @dataclass(frozen=True)
@@ -67,12 +74,15 @@ class MemberInfo:
 
     ``epoch`` is the member process's start time in nanoseconds: a restarted member
     (same id) shows a larger epoch, so peers can tell the incarnations apart.
+    ``catching_up``: the member came back after etcd dropped it and may still hold
+    copies the cluster has written past; reads ask it last.
     """
 
     member_id: str
     address: str
     epoch: int
     pid: int
+    catching_up: bool = False
 
 
 def check_name(kind: str, value: object) -> str:
@@ -126,7 +136,7 @@ class Membership:
 
     def __init__(self, endpoints: Union[str, list[str]], cluster: str, member_id: str,
                  address: str, *, ttl: float = 10.0, on_change: OnChange | None = None,
-                 register: bool = True) -> None:
+                 register: bool = True, on_rejoin: OnRejoin | None = None) -> None:
         self._endpoints = parse_endpoints(endpoints)
         self.cluster = check_name("cluster name", cluster)
         self.member_id = check_name("member id", member_id)
@@ -141,6 +151,9 @@ class Membership:
         self.key = self.prefix + self.member_id
         self.epoch = time.time_ns()
         self._on_change = on_change
+        self._on_rejoin = on_rejoin
+        self._catching_up = 0                 # the rejoin being caught up (0: none)
+        self._rejoins = 0
         self._rpc_timeout = max(0.5, min(self.ttl / 3, 5.0))
         self._client: Any = None
         self._lock = threading.Lock()
@@ -272,20 +285,56 @@ class Membership:
                                                failover=True)
 
     def _value(self) -> str:
-        return json.dumps({"address": self.address, "epoch": self.epoch, "pid": os.getpid()})
+        d: dict[str, Any] = {"address": self.address, "epoch": self.epoch, "pid": os.getpid()}
+        if self._catching_up:
+            d["catching_up"] = True
+        return json.dumps(d)
 
     def _register(self) -> None:
         """Put our key under a fresh lease (the old one, if any, is gone)."""
+        if self._counts["registrations"]:
+            self._begin_rejoin()
         lease = self._client.lease(max(1, math.ceil(self.ttl)))
         self._client.put(self.key, self._value(), lease=lease.id)
         self._lease_id = lease.id
         self._counts["registrations"] += 1
 
     def _ensure_key(self) -> None:
-        """Re-put our key if the watch saw it vanish while our lease still lives."""
-        _, meta = self._client.get(self.key)
+        """Re-put our key if the watch saw it vanish while our lease still lives, and its
+        value if that is not ours (it still says we catch up, after we have)."""
+        value, meta = self._client.get(self.key)
         if meta is None:
+            self._begin_rejoin()
             self._client.put(self.key, self._value(), lease=self._lease_id)
+        elif value != self._value().encode():
+            self._client.put(self.key, self._value(), lease=self._lease_id)
+
+    def _begin_rejoin(self) -> None:
+        """We were out of the member set and put our key again next: with ``on_rejoin``, it
+        says we catch up, and ``on_rejoin(done)`` is called first (it drops what it can tell
+        is old now, the rest once every writer sees us again, then calls ``done``)."""
+        if self._on_rejoin is None:
+            return
+        with self._lock:
+            self._rejoins += 1
+            gen = self._catching_up = self._rejoins
+
+        def done() -> None:
+            with self._lock:
+                if self._catching_up != gen:      # a later rejoin is being caught up now
+                    return
+                self._catching_up = 0
+            self._check_key.set()                 # the keepalive thread puts the value again
+            self._wake.set()
+        try:
+            self._list()                          # the member set as the others see it now
+        except Exception as exc:
+            self._failed("list", exc)
+        try:
+            self._on_rejoin(done)
+        except Exception:
+            log.exception("membership %s: on_rejoin failed", self.member_id)
+            done()
 
     def _list(self) -> int:
         """Replace the member set with a fresh listing; return its revision."""
@@ -303,7 +352,7 @@ class Membership:
         mid = key.decode("utf-8", "replace")[len(self.prefix):]
         try:
             d = json.loads(value)
-            return MemberInfo(mid, str(d["address"]), int(d["epoch"]), int(d["pid"]))
+            return MemberInfo(mid, str(d["address"]), int(d["epoch"]), int(d["pid"]), d.get("catching_up") is True)
         except (ValueError, KeyError, TypeError) as exc:
             self._warn("parse", f"ignoring malformed member key {mid!r}: {exc!r}")
             return None

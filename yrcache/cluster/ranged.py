@@ -30,7 +30,7 @@ def _outcome(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | N
 
 
 class RangedReads:
-    """Mixed into ``Router``: needs ``owners``, ``peer``, ``ring``, ``members``, ``node``
+    """Mixed into ``Router``: needs ``owners``, ``peer``, ``last_late``, ``ring``, ``members``, ``node``
     and ``pool`` (the router's sending threads)."""
 
     if TYPE_CHECKING:
@@ -41,6 +41,8 @@ class RangedReads:
         def owners(self, key: str, r: int | None = None) -> list[str]: ...
 
         def peer(self, member_id: str) -> tp.Peer | None: ...
+
+        def last_late(self, members: Iterable[str]) -> list[str]: ...
 
         def pool(self) -> ThreadPoolExecutor: ...
 
@@ -56,8 +58,8 @@ class RangedReads:
         orders = []
         for i, (key, _spans) in enumerate(reads):
             first = prefer[i] if i < len(prefer) else ()
-            orders.append([m for m in dict.fromkeys(itertools.chain(first, self.owners(key), self.ring.members))
-                           if m != skip])
+            orders.append(self.last_late(m for m in dict.fromkeys(itertools.chain(first, self.owners(key),
+                                                                               self.ring.members)) if m != skip))
         found = [False] * len(reads)
         errors: list[list[str]] = [[] for _ in reads]
         tried = [0] * len(reads)

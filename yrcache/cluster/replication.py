@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +81,11 @@ def decode(meta: bytes, buf: Any, nbytes: int) -> Any:
     return codec.decoder(meta)(view if meta[:1] == b"T" else view.toreadonly(), nbytes)
 
 
-def _first(owners: list[str], skip: str | None) -> str | None:
-    """The owner a read asks first: the first one, unless it is ``skip`` (asked locally)."""
+def _first(owners: list[str], skip: str | None, late: frozenset[str] = frozenset()) -> str | None:
+    """The owner a read asks first: the first one, unless it is ``skip`` (asked locally)
+    or ``late`` (catching up after etcd dropped it)."""
     for m in owners[:2]:
-        if m != skip:
+        if m != skip and m not in late:
             return m
     return None
 
@@ -116,6 +117,9 @@ class Router(RangedReads, FanOut):
         self.ring = Ring()
         self._owners: dict[str, list[str]] = {}
         self.members: dict[str, MemberInfo] = {}
+        #: Members catching up after etcd dropped them (``MemberInfo.catching_up``): their
+        #: copies of keys written meanwhile may be old, so every read asks them last.
+        self.late: frozenset[str] = frozenset()
         self._peers: dict[str, tp.Peer] = {}
         self._lock = threading.Lock()
         self.on_change: list[Callable[[], None]] = []
@@ -125,6 +129,7 @@ class Router(RangedReads, FanOut):
         with self._lock:
             old = {m: i.epoch for m, i in self.members.items()}
             self.members = dict(members)
+            self.late = frozenset(m for m, i in members.items() if i.catching_up)
             if self.node is not None and self.node.own is not None:
                 self.node.own.active = self.node.member_id in members
             self.ring = Ring(sorted(members))
@@ -186,6 +191,22 @@ class Router(RangedReads, FanOut):
                     return None
                 p = self._peers[member_id] = tp.Peer(info.address, self.token, name=member_id)
             return p
+
+    def reads_here(self) -> bool:
+        """Whether this process may read its node's arena in place: its member is in the
+        ring and not catching up (its copies are the cluster's current ones)."""
+        return self.member_id in self.members and self.member_id not in self.late
+
+    def asked_here(self, local: bool) -> str | None:
+        """The member a read of a process with a ``local`` arena skips because it read that
+        arena in place (see ``reads_here``), or None."""
+        return self.member_id if local and self.reads_here() else None
+
+    def last_late(self, members: Iterable[str]) -> list[str]:
+        """``members`` in their order, those catching up moved to the end."""
+        late = self.late
+        out = list(members)
+        return out if not late else sorted(out, key=late.__contains__)
 
     def _need_members(self) -> list[str]:
         if not len(self.ring):
@@ -288,36 +309,35 @@ class Router(RangedReads, FanOut):
                 c.sock.close()
                 failed.add(m)
                 continue
-            for k, g in got.items():
-                if out.get(k) is None:
+            for k, g in got.items():        # held by several: the newest (see ``read``)
+                if g is not None and ((o := out.get(k)) is None or g.version > o.version):
                     out[k] = g
         return out, failed
 
     def mread_all(self, keys: list[str], skip: str | None = None) -> dict[str, tp.Got | None]:
         """Read ``keys`` the way ``read`` reads one: from each key's first owner (one
-        batch per member), then what they lacked from every other member at once (the
-        second owners, or wherever a hand-over left it), so a batch of misses costs two
+        batch per member), then what they lacked from every member at once (the second
+        owners, or wherever a hand-over left it), so a batch of misses costs two
         round trips, not one per key and member. A key whose owners all failed to
         answer is read once more on its own (``read`` raises if they still do not)."""
         first: dict[str, list[str]] = {}
         owners_of: dict[str, list[str]] = {}
+        late = self.late
         for k in keys:
             owners = owners_of[k] = self.owners(k)
             for m in owners:                  # a member this batch asks anyway: fewer round trips
-                if m in first and m != skip:
+                if m in first and m != skip and m not in late:
                     first[m].append(k)
                     break
             else:
-                owner = _first(owners, skip)
+                owner = _first(owners, skip, late)
                 if owner is not None:
                     first.setdefault(owner, []).append(k)
         out, failed = self.mread(first)
         rest = [k for k in keys if out.get(k) is None]
-        if rest:
-            asked = {k: m for m, ks in first.items() for k in ks}
-            members = [m for m in self.ring.members if m != skip]
-            ask = {m: [k for k in rest if asked.get(k) != m] for m in members}
-            got, failed2 = self.mread({m: ks for m, ks in ask.items() if ks})
+        if rest:        # every member, those just asked too: a hand-over may have moved a key there since
+            ask = self.last_late(m for m in self.ring.members if m != skip and m not in failed)
+            got, failed2 = self.mread(dict.fromkeys(ask, rest))
             failed |= failed2
             for k in rest:
                 out[k] = got.get(k)
@@ -368,24 +388,25 @@ class Router(RangedReads, FanOut):
     # -- reads
     def read(self, key: str, offset: int = 0, length: int = tp.ALL, skip: str | None = None,
              into: Callable[[bytes, int], Any] | None = None) -> tp.Got | None:
-        """Fetch ``key`` from its first owner; if it lacks the key, ask every other member
-        at once (a probe of length 0: the second owners, or wherever a hand-over left it)
-        and read it from the first, in owner order, that holds it. A miss costs two
-        round trips, whatever the number of members."""
+        """Fetch ``key`` from its first owner; if it lacks the key, ask every member at once
+        (a probe of length 0: the second owners, or wherever a hand-over left or just moved
+        it) and read it from the one that holds the newest version (the first, in owner
+        order, of equals). A miss costs two round trips, whatever the number of members."""
         owners = self.owners(key)
         errors: list[str] = []
-        first = _first(owners, skip)
+        first = _first(owners, skip, self.late)
         if first is not None:
             got = self._read_from(first, key, offset, length, into, owners, errors)
             if got is not None:
                 return got
-        rest = [m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
-                if m != skip and m != first]
+        # ``first`` again too (unless it failed): a hand-over may have moved the key there since.
+        rest = self.last_late(m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
+                              if m != skip and not (m == first and errors))
         probes = self._probe(rest, key, owners, errors)
-        for m in rest:
-            hit = probes.get(m)
-            if hit is None:
-                continue
+        # The newest copy: a member back after etcd dropped it (asked last) may be the one
+        # that takes a key's writes now while another still holds the copy it took meanwhile.
+        hits = [(m, g) for m in rest if (g := probes.get(m)) is not None]
+        for m, hit in sorted(hits, key=lambda h: h[1].version, reverse=True):
             if length == 0:
                 return hit
             got = self._read_from(m, key, offset, length, into, owners, errors)

@@ -237,7 +237,7 @@ class NodeSharing:
             todo.append((key, _checked_spans(spans)))
         found = [False] * len(todo)
         remote = []
-        here = self._local is not None and self._router.member_id in self._router.members
+        here = self._local is not None and self._router.reads_here()
         for i, (key, sp) in enumerate(todo):
             raw = self._local.get_raw(key) if here and self._local is not None else None
             if raw is not None:
@@ -250,7 +250,7 @@ class NodeSharing:
             got = self._router.read_spans_many(
                 [todo[i] for i in remote], lambda k, meta, n, fill: land(remote[k], meta, n, fill),
                 [prefer[i] if i < len(prefer) else () for i in remote],
-                skip=self._router.member_id if self._local is not None else None)
+                skip=self._router.asked_here(self._local is not None))
             for i, ok in zip(remote, got):
                 found[i] = ok
         return found

@@ -161,7 +161,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         return meta, payload, nbytes
 
     def _local_get(self, key: str) -> Any:
-        if self._local is None or self._router.member_id not in self._router.members:
+        if self._local is None or not self._router.reads_here():
             return None
         return self._local.get(key)
 
@@ -313,7 +313,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         key_bytes(key)
         value = self._local_get(key)
         if value is None:
-            got = self._router.read(key, skip=self._router.member_id if self._local is not None else None)
+            got = self._router.read(key, skip=self._router.asked_here(self._local is not None))
             if got is None:
                 self._ops["misses"] += 1
                 return default
@@ -330,7 +330,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         value = self._local_get(key)
         if value is not None:
             return memoryview(codec.flat_bytes(value).data)[offset:offset + length].toreadonly()
-        skip = self._router.member_id if self._local is not None else None    # (asked locally above)
+        skip = self._router.asked_here(self._local is not None)    # (asked locally above)
         got = self._router.read(key, offset, length, skip=skip)
         return None if got is None else memoryview(got[1]).toreadonly()
 
@@ -342,7 +342,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         out: list[Any] = [None] * len(keys)
         router = self._router
         todo: list[int] | range = range(len(keys))
-        if self._local is not None and router.member_id in router.members:     # ours zero-copy
+        if self._local is not None and router.reads_here():     # ours zero-copy
             todo = []
             for i, k in enumerate(keys):
                 v = self._local.get(k)
@@ -350,7 +350,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
                     todo.append(i)
                 else:
                     out[i] = codec.private_copy(v) if copy else v
-        skip = router.member_id if self._local is not None else None
+        skip = router.asked_here(self._local is not None)
         got = router.mread_all(keys if len(todo) == len(keys) else [keys[i] for i in todo], skip=skip)
         hits = len(keys) - len(todo)
         for i in todo:
@@ -372,7 +372,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
             got = self._local.get_raw(key)
             if got is not None:
                 return got
-        g = self._router.read(key, skip=self._router.member_id if self._local is not None else None)
+        g = self._router.read(key, skip=self._router.asked_here(self._local is not None))
         if g is None:
             return None
         return g.meta, memoryview(g.buf).cast("B").toreadonly()
@@ -385,7 +385,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         check_keys(keys)
         out: list[tuple[bytes, memoryview] | None] = [None] * len(keys)
         todo = list(range(len(keys)))
-        if self._local is not None and self._router.member_id in self._router.members:
+        if self._local is not None and self._router.reads_here():
             todo = []
             for i, r in enumerate(self._local.mget_raw(keys)):
                 if r is None:
@@ -394,7 +394,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
                     out[i] = r
         router = self._router
         got = router.mread_all([keys[i] for i in todo],
-                               skip=router.member_id if self._local is not None else None)
+                               skip=router.asked_here(self._local is not None))
         for i in todo:
             g = got.get(keys[i])
             if g is not None:
