@@ -139,8 +139,11 @@ int yr_get_stats(void *base, yr_stats *out) {
     out->recoveries = h->counters[YR_C_RECOVERIES];
     out->procs = 0;
     for (uint32_t i = 1; i < h->nprocs; i++) out->procs += PROCS(h)[i].state != 0;
+    /* counts no heap can hold: a forged or written-over header (len() would overflow) */
+    if (h->objects > max_blocks(h) || h->used > h->heap_size) set_damaged(h);
+    int rc = h->damaged ? YR_EDAMAGED : YR_OK;
     unlock(h);
-    return YR_OK;
+    return rc;
 }
 
 uint64_t yr_used(void *base) { return __atomic_load_n(&H(base)->used, __ATOMIC_RELAXED); }
