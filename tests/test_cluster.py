@@ -1032,6 +1032,33 @@ def test_reads_while_a_member_joins_find_every_key(etcd, tmp_path, replicas):
             assert len(h.nodes[-1].keys()) > 500 and [int(v[0]) for v in c.mget(keys)] == list(range(3000))
 
 
+def test_a_second_live_member_with_the_same_id_is_refused(harness):
+    """Two members started with one id (YRCACHE_NODE_ID, or the default <hostname>-<store
+    name> on two machines with one hostname) overwrote each other's etcd key, silently. The
+    second one now exits with a message saying what to do; a restarted member whose
+    predecessor is dead (its key not expired yet: nothing answers at its address) still
+    takes its id over."""
+    from cluster_util import REPO, NodeProc
+
+    a = harness.start(1)[0]
+    twin = f"{harness.cluster}-twin"
+    env = dict(harness.env, YRCACHE_NAME=twin, YRCACHE_NODE_ID=a.member_id)
+    p = subprocess.run([sys.executable, "-m", "yrcache", "node"], env=env, capture_output=True, timeout=30, cwd=REPO)
+    assert p.returncode != 0 and not p.stdout.startswith(b"yrcache node "), p
+    err = p.stderr.decode()
+    assert f"member id {a.member_id!r} is in use by a live member at {a.address}" in err, err
+    assert "YRCACHE_NODE_ID" in err and not os.path.exists(f"/dev/shm/yrcache.{twin}")
+    with harness.client() as c:
+        harness.wait_members(c, 1)
+        assert c._router.members[a.member_id].address == a.address
+        c["k"] = b"v"
+        a.sigkill()
+        again = NodeProc(harness.env, a.name, harness.tmp)       # same id, the old key still there: not refused
+        harness.nodes.append(again)
+        wait_for(lambda: c._router.members.get(a.member_id) is not None
+                 and c._router.members[a.member_id].address == again.address, 10, "the restarted member")
+
+
 def test_tier_hint_travels_to_the_owners(etcd, tmp_path):
     from cluster_util import NodeProc
 

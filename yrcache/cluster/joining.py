@@ -4,6 +4,8 @@ attaches to the arena that exists, or, as a pure client, only watches the member
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import socket
@@ -16,7 +18,7 @@ from ..config import WriteMode
 from ..errors import ClusterUnavailableError, StoreNotFoundError
 from ..store import TieredStore
 from . import transport as tp
-from .membership import Membership, check_name
+from .membership import MemberInfo, Membership, check_name
 from .member import Node
 from .records import Mirror
 
@@ -87,7 +89,8 @@ class Joining:
         self._server = tp.Server(self._node, listen or os.environ.get("YRCACHE_LISTEN") or "127.0.0.1:0", token)
         address = os.environ.get("YRCACHE_ADVERTISE") or self._server.address
         self._membership = Membership(endpoints, self.cluster, member_id, address, ttl=ttl,
-                                      on_change=router.update, on_rejoin=self._node.rebalancer.catch_up).start()
+                                      on_change=router.update, on_rejoin=self._node.rebalancer.catch_up,
+                                      taken=functools.partial(_refuse_live_twin, member_id, token)).start()
         router.update(self._membership.members())
         self._mirror = Mirror(self._local, endpoints, self.cluster)
         cfg = dict(self._local._config)
@@ -114,3 +117,21 @@ class Joining:
                     f"store {self.name!r} exists on this machine but its process never joined the cluster; "
                     "is it a cluster store? (same YRCACHE_ETCD for every process of a node)")
             time.sleep(0.02)
+
+
+def _refuse_live_twin(member_id: str, token: bytes | None, info: MemberInfo) -> None:
+    """Our member id is registered already: take it over if that member is gone (a
+    predecessor whose lease has not run out), else raise. Two live members with one id
+    would overwrite each other's etcd key, and each key would have two different sets of
+    owners."""
+    peer = tp.Peer(info.address, token, name=member_id, timeout=2.0)
+    try:
+        held_by = json.loads(peer.stat()).get("member")
+    except Exception:       # noqa: BLE001 - no member answers there (refused, silent, not yrcache)
+        return
+    finally:
+        peer.close()
+    if held_by == member_id:
+        raise ClusterUnavailableError(
+            f"member id {member_id!r} is in use by a live member at {info.address} (pid {info.pid}); give "
+            "each machine its own YRCACHE_NODE_ID (the default is <hostname>-<store name>), or stop that one")

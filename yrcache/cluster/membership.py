@@ -68,6 +68,10 @@ OnChange = Callable[[dict[str, "MemberInfo"]], None]
 OnRejoin = Callable[[Callable[[], None]], None]
 
 
+class _Refused(Exception):
+    """``taken`` refused our start: its exception, raised from ``start``."""
+
+
 @dataclass(frozen=True)
 class MemberInfo:
     """One member as registered in etcd: its data address and start epoch.
@@ -136,7 +140,8 @@ class Membership:
 
     def __init__(self, endpoints: Union[str, list[str]], cluster: str, member_id: str,
                  address: str, *, ttl: float = 10.0, on_change: OnChange | None = None,
-                 register: bool = True, on_rejoin: OnRejoin | None = None) -> None:
+                 register: bool = True, on_rejoin: OnRejoin | None = None,
+                 taken: Callable[[MemberInfo], None] | None = None) -> None:
         self._endpoints = parse_endpoints(endpoints)
         self.cluster = check_name("cluster name", cluster)
         self.member_id = check_name("member id", member_id)
@@ -152,6 +157,7 @@ class Membership:
         self.epoch = time.time_ns()
         self._on_change = on_change
         self._on_rejoin = on_rejoin
+        self._taken = taken
         self._catching_up = 0                 # the rejoin being caught up (0: none)
         self._rejoins = 0
         self._rpc_timeout = max(0.5, min(self.ttl / 3, 5.0))
@@ -185,9 +191,14 @@ class Membership:
         while True:
             try:
                 if self.register:
+                    self._check_taken()
                     self._register()
                 self._list()
                 break
+            except _Refused as refused:
+                self._client.close()
+                self._state = "closed"
+                raise refused.args[0] from None
             except Exception as exc:
                 if time.monotonic() < deadline:     # one refused connect (etcd busy): again
                     time.sleep(0.25)
@@ -289,6 +300,19 @@ class Membership:
         if self._catching_up:
             d["catching_up"] = True
         return json.dumps(d)
+
+    def _check_taken(self) -> None:
+        """At start, our key already in etcd: a predecessor whose lease has not run out yet,
+        or another process with our id. ``taken(info)`` raises to refuse starting."""
+        if self._taken is None:
+            return
+        value, meta = self._client.get(self.key)
+        info = None if meta is None else self._parse(self.key.encode(), value)
+        if info is not None:
+            try:
+                self._taken(info)
+            except Exception as exc:
+                raise _Refused(exc) from None
 
     def _register(self) -> None:
         """Put our key under a fresh lease (the old one, if any, is gone)."""
