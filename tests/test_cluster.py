@@ -1059,6 +1059,25 @@ def test_a_second_live_member_with_the_same_id_is_refused(harness):
                  and c._router.members[a.member_id].address == again.address, 10, "the restarted member")
 
 
+def test_flush_says_why_a_member_is_still_forwarding(harness):
+    """``flush`` timing out on a member that cannot hand its objects over said only "is still
+    forwarding"; it now gives the target's last error (here: that member is full)."""
+    from cluster_util import NodeProc
+
+    a = harness.start(1)[0]
+    small = NodeProc(dict(harness.env, YRCACHE_DRAM="8MiB"), f"{harness.cluster}-small", harness.tmp)
+    harness.nodes.append(small)
+    with harness.client(replicas=2, write_mode="async") as c:
+        harness.wait_members(c, 2)
+        keys = [k for k in (f"f/{i}" for i in range(200)) if c.owners(k)[0] == a.member_id][:24]
+        for k in keys:
+            c.put(k, np.zeros(1 << 20, np.uint8))          # 24 MiB for an 8 MiB second owner
+        with pytest.raises(TimeoutError) as e:
+            c.flush(timeout=1.5)
+        msg = str(e.value)
+        assert f"{a.member_id} is still forwarding (to {small.member_id}: " in msg and "full" in msg, msg
+
+
 def test_tier_hint_travels_to_the_owners(etcd, tmp_path):
     from cluster_util import NodeProc
 

@@ -276,6 +276,9 @@ class Node(tp.Handler):
     def flush(self, timeout: float) -> bool:
         return self.forwarder.wait(timeout)
 
+    def stuck(self) -> str:
+        return self.forwarder.stuck()
+
 
 def _ttl_tier(expire_at: float, flags: int) -> tuple[float | None, Tier | None]:
     """A frame's expiry as the ttl left, and its tier hint (from ``flags``)."""
@@ -303,6 +306,7 @@ class Forwarder(_Worker):
         # that cannot be reached (dead while etcd is down, so still in the member set) costs
         # neither a connection attempt nor a log line every 50 ms.
         self._failing: dict[str, list[float]] = {}
+        self._why: dict[str, str] = {}     # what the last send to each failing target raised
         # Asleep until woken (nothing queued for IDLE_S); else it looks every LINGER_S by itself.
         self._asleep = False
         self._thread.start()
@@ -327,6 +331,10 @@ class Forwarder(_Worker):
     def pending(self) -> int:
         with self._cv:
             return len(self._q) + self._busy
+
+    def stuck(self) -> str:
+        """Why the objects still queued have not gone: each failing target's last error."""
+        return "; ".join(f"to {m}: {why}" for m, why in list(self._why.items())[:4])
 
     def wait(self, timeout: float, give_up: threading.Event | None = None) -> bool:
         """Until nothing is queued or being sent (True), ``timeout`` passes or ``give_up`` is set."""
@@ -435,6 +443,7 @@ class Forwarder(_Worker):
                 self._burst[1] += nbytes
                 if fail is not None:
                     del self._failing[m]
+                    self._why.pop(m, None)
                     log.info("forwarding to %s works again", m)
                 if moves:                       # rebalancing yields to the application's traffic
                     time.sleep(max(0.0, nbytes / REBALANCE_RATE - (time.monotonic() - t0)))
@@ -445,6 +454,7 @@ class Forwarder(_Worker):
                 else:
                     fail[1] = min(RETRY_MAX_S, fail[1] * 2)
                 fail[0] = now + fail[1]
+                self._why[m] = str(e)
                 if now - fail[2] >= RETRY_LOG_S:
                     fail[2] = now
                     log.info("forwarding %d objects to %s: %s (trying again, at most every %.1f s; "

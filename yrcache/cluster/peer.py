@@ -453,15 +453,17 @@ class Peer:
             return c.body(c.reply(STAT).plen)
         return self._call(go)
 
-    def flush(self, timeout: float = 60.0) -> bool:
-        """Whether the member forwarded everything it queued within ``timeout`` (> 0) seconds."""
-        def go(c: Conn) -> bool:
+    def flush(self, timeout: float = 60.0) -> str | None:
+        """None once the member forwarded everything it queued, within ``timeout`` (> 0)
+        seconds; else why not (its failing targets' last errors; may be empty)."""
+        def go(c: Conn) -> str | None:
             c.sock.sendall(pack(FLUSH, expire_at=max(timeout, 0.001)))   # (0 would mean its 60 s)
             try:
-                return c.reply(FLUSH).status == OK
+                c.reply(FLUSH)
+                return None
             except RemoteError as e:    # its answer when the time ran out
                 if e.status == ERROR:
-                    return False
+                    return str(e)
                 raise
         return self._call(go, timeout + 5)
 

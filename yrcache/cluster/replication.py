@@ -504,7 +504,7 @@ class Router(RangedReads, FanOut):
             for m in list(self.members):
                 rest = max(0.0, deadline - time.monotonic())
                 if node is not None and m == node.member_id:
-                    asks[m] = _pool().submit(node.forwarder.wait, rest)
+                    asks[m] = _pool().submit(lambda t: None if node.forwarder.wait(t) else node.stuck(), rest)
                 elif (peer := self.peer(m)) is not None:      # (one that left: nothing to wait for)
                     asks[m] = _pool().submit(peer.flush, rest)
             done, _ = wait(asks.values(), timeout=max(0.0, deadline - time.monotonic()) + FLUSH_SLACK_S)
@@ -516,8 +516,8 @@ class Router(RangedReads, FanOut):
                     if not isinstance(e, ClusterUnavailableError):
                         raise e
                     left.append(f"{m} does not answer ({e})")
-                elif not ask.result():
-                    left.append(f"{m} is still forwarding")
+                elif (why := ask.result()) is not None:
+                    left.append(f"{m} is still forwarding" + (f" ({why})" if why else ""))
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(min(FLUSH_POLL_S, max(0.0, deadline - time.monotonic())))

@@ -124,6 +124,10 @@ class Handler:
     def flush(self, timeout: float) -> bool:
         raise NotImplementedError
 
+    def stuck(self) -> str:
+        """Why a ``flush`` that timed out did not finish (sent with its answer)."""
+        return ""
+
 
 def _nothing() -> None:
     pass
@@ -334,7 +338,8 @@ class Server:
                     send_parts(conn, out)
                     out.clear()
                 ok = h.flush(f.expire_at or 60.0)
-                out.append(pack(FLUSH, status=OK if ok else ERROR))
+                out.append(pack(FLUSH, status=OK) if ok else
+                           pack(FLUSH, meta=h.stuck().encode()[:MAX_META], status=ERROR))
             else:  # PING
                 out.append(pack(PING))
         except (ConnectionError, ProtocolError):
