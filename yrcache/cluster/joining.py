@@ -1,6 +1,7 @@
 """How a ``ClusterStore`` process joins its cluster: it creates this machine's arena (then
 it is the node's member: it serves the arena on a data port and registers in etcd) or
-attaches to the arena that exists, or, as a pure client, only watches the member set."""
+attaches to the arena that exists, or, as a pure client, only watches the member set; and
+how a member leaves with a hand-over."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,11 @@ if TYPE_CHECKING:
     from .replication import Router
 
 log = logging.getLogger("yrcache.cluster")
+
+HANDOVER_S = 120.0      # how long close(handover=True) waits for the objects to reach their owners
+#: After its lease is revoked, how long a leaving member still takes (and forwards) writes
+#: from processes that have not seen it go yet.
+LEAVE_SETTLE_S = 0.5
 
 
 class Joining:
@@ -104,6 +111,32 @@ class Joining:
                                       "-", ttl=ttl, on_change=self._router.update, register=False).start()
         self._router.update(self._membership.members())
         self.member_id = self._router.member_id
+
+    def _handover(self, give_up: threading.Event | None) -> None:
+        """Leave the ring, ship every object to its owners without us, leave etcd, then ship
+        what writers that still counted us as an owner sent meanwhile (the node forwards
+        every write it takes from now on), before the data port closes."""
+        node, membership = self._node, self._membership
+        assert node is not None and membership is not None
+        router, me = self._router, node.member_id
+        node.leaving = True
+        router.update({m: i for m, i in router.members.items() if m != me})
+        if not router.members:
+            return
+        n = len(node.versions)
+        log.info("handing %d objects over before leaving (up to %.0f s%s)", n, HANDOVER_S,
+                 "; SIGTERM or Ctrl-C again to leave now" if give_up is not None else "")
+        node.rebalancer.run_pass()
+        if node.forwarder.wait(HANDOVER_S, give_up):
+            membership.close()                       # the others drop us now: no new writes come
+            time.sleep(LEAVE_SETTLE_S)               # (but from those that have not seen that yet)
+            if node.forwarder.wait(HANDOVER_S / 4, give_up):
+                log.info("handed over; %d objects left here", len(node.versions))
+                return
+        log.warning("leaving with %d objects not handed over (%s); those with no copy on another "
+                    "member are lost", node.forwarder.pending(),
+                    "asked to leave now" if give_up is not None and give_up.is_set() else
+                    f"{HANDOVER_S:.0f} s passed")
 
     def _wait_member_id(self) -> str:
         assert self._local is not None

@@ -52,6 +52,9 @@ class Node(tp.Handler):
         self.versions: dict[str, Version] = {}
         self.tombs: dict[str, tuple[Version, float]] = {}
         self.single: set[str] = set()        # WriteMode.NONE objects: one copy, on their first owner
+        #: Handing over before leaving: every write this member takes is forwarded to the key's
+        #: owners without it too (a writer that still counts it as an owner sent it no others).
+        self.leaving = False
         self._locks = [KeyLock() for _ in range(64)]     # threading.Lock's API; OwnPuts takes them in C
         self.forwarder = Forwarder(self)
         self.rebalancer = Rebalancer(self)
@@ -172,7 +175,7 @@ class Node(tp.Handler):
     def put(self, f: tp.Frame, fill: Any, skip: Callable[[], None]) -> int:
         check_wire_meta(f.meta, f.plen)
         status = self.apply(f.key, f.meta, f.plen, fill, f.version, f.priority, f.expire_at, skip, f.flags)
-        if status == tp.OK and f.flags & tp.F_REPLICATE:
+        if status == tp.OK and (f.flags & tp.F_REPLICATE or self.leaving):
             self.forwarder.add(f.key, f.version)
         return status
 
@@ -194,7 +197,7 @@ class Node(tp.Handler):
                 return tp.SAME if f.version == cur else tp.STALE
             self._applied(key, f.version, f.flags)
         self.router.clock.observe(f.version[0])
-        if f.flags & tp.F_REPLICATE:
+        if f.flags & tp.F_REPLICATE or self.leaving:
             self.forwarder.add(key, f.version)
         return tp.OK
 
@@ -226,7 +229,7 @@ class Node(tp.Handler):
                 lk.release()
         if top:
             self.router.clock.observe(top)
-        if flags & tp.F_REPLICATE:
+        if flags & tp.F_REPLICATE or self.leaving:
             for it, status in zip(items, out):
                 if status == tp.OK:
                     self.forwarder.add(it[0], it[3])

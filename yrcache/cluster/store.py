@@ -42,7 +42,6 @@ from .replication import Router, decode
 
 log = logging.getLogger("yrcache.cluster")
 _LIVE: dict[int, weakref.ref[ClusterStore]] = {}      # stores to close at exit (a mapping is unhashable)
-HANDOVER_S = 120.0                # how long close(handover=True) waits for the objects to reach their owners
 
 
 @atexit.register
@@ -544,25 +543,6 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         self._router.close()
         if self._local is not None:
             self._local.close()
-
-    def _handover(self, give_up: threading.Event | None) -> None:
-        """Leave the ring, then ship every object to its owners without us."""
-        assert self._node is not None and self._membership is not None
-        router, me = self._router, self._node.member_id
-        router.update({m: i for m, i in router.members.items() if m != me})
-        if not router.members:
-            return
-        n = len(self._node.versions)
-        log.info("handing %d objects over before leaving (up to %.0f s%s)", n, HANDOVER_S,
-                 "; SIGTERM or Ctrl-C again to leave now" if give_up is not None else "")
-        self._node.rebalancer.run_pass()
-        if self._node.forwarder.wait(HANDOVER_S, give_up):
-            log.info("handed over; %d objects left here", len(self._node.versions))
-        else:
-            log.warning("leaving with %d objects not handed over (%s); those with no copy on another "
-                        "member are lost", self._node.forwarder.pending(),
-                        "asked to leave now" if give_up is not None and give_up.is_set() else
-                        f"{HANDOVER_S:.0f} s passed")
 
     def destroy(self) -> None:
         local = self._local
