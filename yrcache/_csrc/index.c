@@ -9,11 +9,11 @@ static inline int key_eq(blk_t *b, uint64_t hash, const char *k, uint32_t n) {
 }
 
 /* The bucket slot that points at the matching block (so the caller can
- * unlink it), or NULL (also for a chain that loops: set_damaged). */
+ * unlink it), or NULL (also for a chain that loops or leaves the heap: set_damaged). */
 uint64_t *find_slot(hdr_t *h, uint64_t hash, const char *k, uint32_t n) {
     uint64_t *slot = &BUCKETS(h)[hash & (h->nbuckets - 1)];
     for (uint64_t steps = max_blocks(h); *slot; steps--) {
-        if (!steps) { set_damaged(h); return NULL; }
+        if (!steps || !block_at_ok(h, *slot)) { set_damaged(h); return NULL; }   /* a loop, a wild link */
         blk_t *b = AT(h, *slot);
         if (key_eq(b, hash, k, n)) return slot;
         slot = &b->next;

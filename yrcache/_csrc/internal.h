@@ -139,6 +139,10 @@ _Static_assert(sizeof(blk_t) == BLK_HDR, "block header must be 128 bytes");
 
 static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) & ~(a - 1); }
 static inline uint64_t heap_end(hdr_t *h) { return h->heap_off + h->heap_size; }
+/* An offset read from a record another process wrote (a pin): a block could start there. */
+static inline int block_at_ok(hdr_t *h, uint64_t off) {
+    return off >= h->heap_off && off < heap_end(h) && heap_end(h) - off >= MIN_BLOCK && !(off & (ALIGN - 1));
+}
 
 static inline double now_realtime(void) {
     struct timespec ts;

@@ -42,6 +42,7 @@ static int grow_pins_locked(hdr_t *h) {
 int pin_locked(hdr_t *h, uint32_t slot, uint64_t off) {
     if (!h->pin_free && !grow_pins_locked(h)) return YR_ENOPINS;
     uint32_t p = h->pin_free;
+    if (p >= total_pins(h)) { set_damaged(h); return YR_EDAMAGED; }    /* a free stack written over */
     pin_t *pr = PIN(h, p);
     h->pin_free = pr->next_free;
     pr->slot = slot;
@@ -57,6 +58,11 @@ void unpin_locked(hdr_t *h, uint32_t p) {
     pin_t *pr = PIN(h, p);
     uint64_t off = pr->block_off;
     if (!off) return;
+    if (!block_at_ok(h, off) || pr->slot >= h->nprocs) {    /* written over: not a pin we made */
+        set_damaged(h);
+        pr->block_off = 0;
+        return;
+    }
     blk_t *b = AT(h, off);
     if (PROCS(h)[pr->slot].pins) PROCS(h)[pr->slot].pins--;
     pr->block_off = 0;
@@ -127,6 +133,7 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
     for (uint64_t i = 0; i < h->nbuckets; i++) {
         uint64_t *s = &BUCKETS(h)[i];
         for (uint64_t left = steps; *s && left--;) {      /* (a chain that loops: find_slot reports it) */
+            if (!block_at_ok(h, *s)) { set_damaged(h); return; }
             blk_t *b = AT(h, *s);
             if (TIER_OF(b) == YR_TIER_HBM && HOLDER_OF(b) == slot) {
                 b->where = YR_TIER_DRAM;   /* nothing left to free elsewhere */
