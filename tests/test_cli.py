@@ -506,6 +506,21 @@ def test_put_stdin(make_store):
     assert s["greeting"].tobytes() == b"hello\x00world"
 
 
+@pytest.mark.parametrize("source", ["/dev/zero", "-"])
+def test_put_of_an_endless_stream_stops_at_the_store_size(make_store, source):
+    """``yrcache put NAME KEY /dev/zero`` (or an endless pipe on stdin) read until this
+    machine ran out of memory (24 GB, then the OOM killer). The read now stops past the
+    store's capacity. The CLI runs under a 2 GiB address-space limit here, so that the
+    unbounded read fails fast instead."""
+    s = make_store(dram="8MiB")
+    cmd = " ".join([*ENTRY, "put", s.name, "big", source]) + (" < /dev/zero" if source == "-" else "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("YRCACHE_")}
+    r = subprocess.run(["bash", "-c", f"ulimit -v {2 << 20}; exec {cmd}"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert_one_line_error(r, "gives more bytes than the store can hold", "nothing was stored")
+    assert "big" not in s
+
+
 def test_put_empty_file(make_store, tmp_path):
     s = make_store(dram="1MiB")
     (tmp_path / "empty").write_bytes(b"")

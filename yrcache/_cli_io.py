@@ -11,6 +11,7 @@ import sys
 from typing import IO, TYPE_CHECKING, Any, Callable
 
 from ._cli_base import CliError, display_key
+from .sizes import format_size
 
 if TYPE_CHECKING:
     from .store import TieredStore
@@ -93,19 +94,39 @@ def _write_file(path: str, write: Callable[[IO[bytes]], None]) -> int | None:
         raise
 
 
-def _read_stdin() -> bytes:
+def _read_stdin(limit: int | None = None) -> bytes:
     if sys.stdin.isatty():
         print("yrcache: reading the value from stdin (end with Ctrl-D)", file=sys.stderr)
-    return sys.stdin.buffer.read()
+    return _read_all(sys.stdin.buffer, "stdin", limit)
 
 
-def _load_npy(path: str, forced: bool) -> Any:
-    """The array in the .npy file ``path`` (``-``: stdin), memory-mapped when it is a file."""
+def _read_all(f: Any, src: str, limit: int | None) -> bytes:
+    """All of a stream of unknown size (stdin, a pipe, a device), refused past ``limit``
+    bytes (the store's capacity: ``/dev/zero`` would otherwise fill this machine's memory)."""
+    if limit is None:
+        return f.read()
+    out = bytearray()
+    while chunk := f.read(min(1 << 20, limit + 1 - len(out))):
+        out += chunk
+        if len(out) > limit:
+            raise CliError(f"{src} gives more bytes than the store can hold ({format_size(limit)}); "
+                           "nothing was stored")
+    return bytes(out)
+
+
+def _capacity(s: TieredStore) -> int:
+    """The most bytes any one value could take in ``s``: all of its tiers together."""
+    return sum(int(t.get("capacity", 0)) for t in s.stats()["tiers"].values())
+
+
+def _load_npy(path: str, forced: bool, limit: int | None = None) -> Any:
+    """The array in the .npy file ``path`` (``-``: stdin, refused past ``limit`` bytes),
+    memory-mapped when it is a file."""
     import numpy as np
 
     src = "stdin" if path == "-" else path
     if path == "-":
-        fobj: Any = io.BytesIO(_read_stdin())
+        fobj: Any = io.BytesIO(_read_stdin(limit))
         head = fobj.getvalue()[:6]
     else:
         with open(path, "rb") as f:
@@ -128,12 +149,12 @@ def _load_npy(path: str, forced: bool) -> Any:
 def _put_file(s: TieredStore, key: str, path: str, ttl: float | None, priority: int) -> None:
     """Store a file's bytes; a regular file is read straight into the arena (one copy)."""
     if path == "-":
-        s.put(key, _read_stdin(), ttl=ttl, priority=priority)
+        s.put(key, _read_stdin(_capacity(s)), ttl=ttl, priority=priority)
         return
     with open(path, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):                 # a pipe or device: size unknown
-            s.put(key, f.read(), ttl=ttl, priority=priority)
+            s.put(key, _read_all(f, path, _capacity(s)), ttl=ttl, priority=priority)
             return
         nbytes = st.st_size
 

@@ -31,7 +31,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ._cli_base import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_USAGE, CliError, Parser, display_key
-from ._cli_io import _load_npy, _put_file, _write_file, _writer
+from ._cli_io import _capacity, _load_npy, _put_file, _write_file, _writer
 from .errors import StoreNotFoundError, YrcacheError
 from .sizes import format_size
 
@@ -265,7 +265,7 @@ def cmd_put(args: argparse.Namespace) -> int:
     npy = args.npy or (not args.raw and args.file != "-" and args.file.endswith(".npy"))
     with _open(args.name) as s:
         if npy:
-            arr = _load_npy(args.file, forced=args.npy)
+            arr = _load_npy(args.file, forced=args.npy, limit=_capacity(s) + 4096)   # (+ the .npy header)
             try:
                 s.put(args.key, arr, ttl=args.ttl, priority=args.priority)
             except TypeError as e:        # a dtype the store does not hold (object, datetime...)
