@@ -28,6 +28,7 @@ yrcache.torch``.  See docs/dataloader.md.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 import time
 import uuid
@@ -240,8 +241,12 @@ class CachedDataset(_DatasetBase):
         self.copy = bool(copy)
         self.priority = priority
         self.ttl = ttl
-        self._token = uuid.uuid4().hex
-        self._words()          # create the counters now, while the store likely has room
+        # The counters are named after the key, so that the datasets made over and over for one
+        # key (a loop, every run over a persist=True store) share three words, not three each.
+        self._token = (hashlib.sha1(key.encode()).hexdigest()[:32] if isinstance(key, str)
+                       else uuid.uuid4().hex)
+        # created now, while the store likely has room; stats() counts from their values now
+        self._base = [int(w.value) for w in self._words()]
 
     @property
     def prefix(self) -> str | None:
@@ -354,7 +359,7 @@ class CachedDataset(_DatasetBase):
         return _decode(key, buf, self.to_tensor, allow)
 
     def _uncached(self, err: StoreFullError | None) -> None:
-        if _add(self._words()[2], 1) == 0:
+        if _add(self._words()[2], 1) == self._base[2]:
             why = f" ({err})" if err is not None else ""
             warnings.warn(
                 f"CachedDataset: store {self.store.name!r} is full{why}; samples that do not fit are "
@@ -373,7 +378,9 @@ class CachedDataset(_DatasetBase):
         return words
 
     def stats(self) -> dict[str, int]:
-        """Counts over every process using this dataset object (its workers included).
+        """Counts since this dataset object was made, over every process using it (its
+        workers included), and over the other ``CachedDataset`` objects of this store with
+        the same ``key`` string meanwhile (they share three counters in the store).
 
         ``hits``: samples served from the store; ``misses``: samples the
         wrapped dataset computed; ``uncached``: misses that did not fit in the
@@ -387,7 +394,7 @@ class CachedDataset(_DatasetBase):
         ...     ds.stats()
         {'hits': 1, 'misses': 2, 'uncached': 0}
         """
-        return {s: int(w.value) for s, w in zip(_STATS, self._words())}
+        return {s: int(w.value) - b for s, w, b in zip(_STATS, self._words(), self._base)}
 
     def clear(self) -> int:
         """Delete every cached sample of this dataset from the store; returns how many.
