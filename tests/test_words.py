@@ -226,3 +226,13 @@ def test_node_locks_hold_a_set_and_overlapping_sets_never_deadlock(make_store, s
     kids = [start(mp_context, _churn_locks, store_name, seed, 150) for seed in (1, 2)]
     for p, q in kids:
         assert finish(p, q, timeout=120) == "done"
+
+
+def test_a_store_without_room_for_another_word_says_it_is_full(make_store):
+    """It raised a bare YrcacheError ("word 'user/w3840' failed: no space")."""
+    from yrcache import StoreFullError
+
+    s = make_store(dram="1MiB")
+    with pytest.raises(StoreFullError, match="the store is full"):
+        for i in range(100_000):
+            s.word(f"w{i}")

@@ -22,7 +22,7 @@ import numpy as np
 from .._arena import ffi, lib
 from .._fast import HotPath
 from .. import pinning, stopping
-from ..errors import StoreNotFoundError, YrcacheError
+from ..errors import StoreFullError, StoreNotFoundError, YrcacheError
 from . import _fork
 from ..validate import MAX_KEY_BYTES
 from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, damaged, records, split_keys, \
@@ -37,7 +37,7 @@ PIN, QUIET = lib.YR_PIN, lib.YR_QUIET
 C_SPILLS, C_PROMOTIONS, C_EVICTIONS = lib.YR_C_SPILLS, lib.YR_C_PROMOTIONS, lib.YR_C_EVICTIONS
 MIN_SIZE = lib.yr_arena_min_size()
 
-ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "no space", lib.YR_ENOPINS: "no room left for the pin of another "
+ERRORS = {lib.YR_ENOTFOUND: "not found", lib.YR_ENOSPC: "the store is full", lib.YR_ENOPINS: "no room left for the pin of another "
           "view; drop references to values you no longer need (each view pins its object)",
           lib.YR_EBADARENA: "not a yrcache arena (or an incompatible version)",
           lib.YR_ENOPROCS: "too many attached processes", lib.YR_ELOCK: "the arena lock is unrecoverable",
@@ -52,7 +52,7 @@ def check(rc: int, what: str, name: str | None = None) -> int:
     if rc == lib.YR_EDAMAGED:
         raise damaged(what, name)
     if rc < 0:
-        raise YrcacheError(f"{what} failed: {ERRORS.get(rc, rc)}")
+        raise (StoreFullError if rc in _NO_ROOM else YrcacheError)(f"{what} failed: {ERRORS.get(rc, rc)}")
     return rc
 
 
