@@ -787,3 +787,19 @@ def test_a_batch_that_does_not_fit_says_what_it_stored(make_store):
     if sys.version_info >= (3, 11):                 # exception notes
         assert ei.value.__notes__ == ["the batch stored every value but 2: 'm2', 'm4'"]
     assert sorted(s.keys()) == ["m1", "m3", "old"] and bytes(s["old"]) == b"new"
+
+
+@pytest.mark.parametrize("items, says", [([1, 2], "item 0 is int 1, not a pair"),
+                                         ([("a", b"x"), ("b",)], "item 1 is tuple ('b',), not a pair"),
+                                         ("ab", "not str"), (5, "not int")])
+def test_mset_of_something_that_is_not_pairs_says_what_to_pass(store, items, says):
+    """``s.mset([1, 2])`` raised "cannot unpack non-iterable int object"."""
+    with pytest.raises(TypeError, match="mset takes a mapping or") as e:
+        store.mset(items)
+    assert says in str(e.value)
+    assert len(store) == 0
+
+
+def test_mset_takes_pairs_as_lists_too(store):
+    store.mset([["a", b"x"], ("b", b"y")])
+    assert bytes(store["a"]) == b"x" and bytes(store["b"]) == b"y"

@@ -568,3 +568,20 @@ def test_datasets_made_again_for_one_key_reuse_their_counters(make_store):
     assert fresh.stats() == {"hits": 0, "misses": 0, "uncached": 0}
     fresh[0]
     assert fresh.stats()["hits"] == 1 and ds.stats()["hits"] == 3      # alive together: shared counts
+
+
+def test_a_wrapped_getitems_that_returns_too_few_samples_is_an_error(make_store):
+    """zip() cut the batch short and the missing samples came back as None."""
+    class Short:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return b"x%d" % i
+
+        def __getitems__(self, idx):
+            return [self[i] for i in idx][:-1]
+
+    ds = CachedDataset(Short(), make_store(dram="16MiB"), key="short/")
+    with pytest.raises(ValueError, match="returned 2 samples for 3 indices"):
+        ds.__getitems__([0, 1, 2])

@@ -22,7 +22,7 @@ from .errors import YrcacheError
 from .node_locks import node_locks as _node_locks
 from .tiers.dram import TIER_DRAM, Word, check
 from .types import Value
-from .validate import check_iterable_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, timeout as _check_timeout
+from .validate import check_iterable_keys, expire_at as _expire_at, explain_pairs, key_bytes, mset_pairs, payload_nbytes, priority as _priority, timeout as _check_timeout
 
 if TYPE_CHECKING:
     from .hbm import HbmOwner
@@ -199,7 +199,15 @@ class StoreOps:
         _write_mode(write_mode)
         expire_at = _expire_at(ttl)
         priority = _priority(priority)
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        pairs = mset_pairs(items, check=False)
+        try:
+            self._mset(pairs, tier, priority, ttl, expire_at)
+        except (TypeError, ValueError):
+            explain_pairs(pairs)            # a bad item says so (not "cannot unpack int")
+            raise
+
+    def _mset(self, pairs: list, tier: Tier | None, priority: int, ttl: float | None,
+              expire_at: float) -> None:
         p, learn = self._placement, False
         if tier is None and p.direct and pairs:
             # The common case in one C call: keys checked and headers found there (bytes,

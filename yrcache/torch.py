@@ -322,6 +322,9 @@ class CachedDataset(_DatasetBase):
             todo = list(missing)
             many = getattr(self.dataset, "__getitems__", None)
             samples = many(todo) if many is not None else [self.dataset[i] for i in todo]
+            if len(samples) != len(todo):
+                raise ValueError(f"{type(self.dataset).__name__}.__getitems__ returned {len(samples)} samples "
+                                 f"for {len(todo)} indices; it must return one per index, in order")
             for i, sample in zip(todo, samples):
                 ps = missing[i]
                 out[ps[0]] = self._cache(keys[ps[0]], sample)

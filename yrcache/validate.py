@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._fast import keys_valid
@@ -23,6 +24,28 @@ def check_iterable_keys(keys: Any) -> Any:
                         f"{keys[:40]!r}, which would be read letter by letter; for one key use get(key) "
                         f"or mget([key])")
     return keys
+
+
+def mset_pairs(items: Any, check: bool = True) -> list:
+    """The ``(key, value)`` pairs of an ``mset``: of a mapping, or each item a pair (looked
+    at only with ``check``; else the caller has ``explain_pairs`` say what was wrong once
+    something failed)."""
+    if isinstance(items, Mapping):
+        return list(items.items())
+    if isinstance(items, (str, bytes, bytearray)) or not isinstance(items, Iterable):
+        raise TypeError(f"mset takes a mapping or an iterable of (key, value) pairs, not {type(items).__name__}")
+    pairs = list(items)
+    if check:
+        explain_pairs(pairs)
+    return pairs
+
+
+def explain_pairs(pairs: list) -> None:
+    """Raise ``TypeError`` naming the first item of ``pairs`` that is not a (key, value) pair."""
+    for i, p in enumerate(pairs):
+        if isinstance(p, str) or not isinstance(p, Sequence) or len(p) != 2:
+            raise TypeError(f"mset takes a mapping or (key, value) pairs; item {i} is "
+                            f"{type(p).__name__} {p!r:.60}, not a pair")
 
 
 def key_bytes(key: Any) -> bytes:

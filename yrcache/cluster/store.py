@@ -29,7 +29,7 @@ from ..config import Tier, WriteMode, write_mode as _write_mode
 from ..errors import ClusterUnavailableError, StoreClosedError
 from ..store import TieredStore
 from ..types import Value
-from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at, key_bytes, payload_nbytes, priority as _priority, \
+from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at, key_bytes, mset_pairs, payload_nbytes, priority as _priority, \
     sync_timeout as _sync_timeout
 from . import transport as tp
 from .membership import Membership, check_name
@@ -231,7 +231,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
              sync_timeout: float | None = None) -> None:
         """Put several values, pipelined per owner; each is atomic, the batch is not."""
         self._check_open()
-        pairs = list(items.items() if isinstance(items, Mapping) else items)
+        pairs = mset_pairs(items)
         check_keys([k for k, _ in pairs])
         self._put_encoded([(k, *self._encode(v)) for k, v in pairs], tier, priority, ttl, write_mode, sync_timeout)
 
