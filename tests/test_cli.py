@@ -189,6 +189,24 @@ def test_bad_store_name_one_line_error(cmd):
     assert r.returncode == 2
 
 
+def test_destroy_of_a_listed_junk_name_says_to_remove_it_by_hand(store_name):
+    """``yrcache list`` shows any file named /dev/shm/yrcache.*; for one whose name is no
+    store name (another program's, a name with an escape character), ``destroy`` said only
+    "invalid store name"."""
+    name = f"{store_name}\x1b[31mred"
+    path = shm_path(name)
+    with open(path, "wb") as f:
+        f.write(b"x")
+    try:
+        assert "\\x1b[31mred" in yrcache("list").stdout            # shown escaped
+        r = yrcache("destroy", name)
+        assert r.returncode == 2
+        assert_one_line_error(r, "invalid store name", "yrcache never made", "remove it with rm")
+        assert os.path.exists(path)
+    finally:
+        os.unlink(path)
+
+
 def test_usage_errors():
     r = yrcache()
     assert r.returncode == 2

@@ -585,3 +585,9 @@ def test_a_wrapped_getitems_that_returns_too_few_samples_is_an_error(make_store)
     ds = CachedDataset(Short(), make_store(dram="16MiB"), key="short/")
     with pytest.raises(ValueError, match="returned 2 samples for 3 indices"):
         ds.__getitems__([0, 1, 2])
+
+
+def test_an_iterable_without_an_index_is_refused_at_once(make_store):
+    """CachedDataset(iter(samples), ...) was accepted and failed later, at len()."""
+    with pytest.raises(TypeError, match="wraps a map-style dataset"):
+        CachedDataset(iter([b"a", b"b"]), make_store(dram="16MiB"), key="it/")

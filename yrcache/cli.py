@@ -195,9 +195,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_destroy(args: argparse.Namespace) -> int:
     """Unlink a store's shared memory; processes attached keep their mappings."""
-    from .tiers import dram
+    from .tiers import dram, segment
 
-    _check_name(args.name)
+    try:
+        dram.check_name(args.name)
+    except ValueError as e:               # a file under /dev/shm that yrcache cannot have made
+        path = segment.SHM_DIR + segment.PREFIX + args.name
+        if "/" not in args.name and os.path.lexists(path):
+            raise CliError(f"{e}; yrcache never made {display_key(path)}: if it is yours and nothing uses "
+                           "it, remove it with rm", EXIT_USAGE) from None
+        raise CliError(str(e), EXIT_USAGE) from None
     if not dram.destroy(args.name):
         raise CliError(f"no store named {args.name!r} on this node; `yrcache list` shows the stores here")
     print(f"destroyed {args.name}")

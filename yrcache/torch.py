@@ -223,6 +223,10 @@ class CachedDataset(_DatasetBase):
     def __init__(self, dataset: _MapDataset, store: TieredStore,
                  key: str | Callable[[int], str] | None = None, *, to_tensor: bool = True,
                  copy: bool = False, priority: int = 0, ttl: float | None = None) -> None:
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(f"CachedDataset wraps a map-style dataset (with __getitem__ and __len__), not "
+                            f"{type(dataset).__name__}; an iterable has no index to cache samples under "
+                            "(list(it) first if it is small)")
         self.dataset = dataset
         self.store = store
         if key is None:
