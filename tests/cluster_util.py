@@ -83,9 +83,9 @@ class Etcd:
 class NodeProc:
     """A ``yrcache node`` process (python -m yrcache node) with its own store name."""
 
-    def __init__(self, env: dict[str, str], name: str, log_dir: Path) -> None:
+    def __init__(self, env: dict[str, str], name: str, log_dir: Path, member_id: str | None = None) -> None:
         self.name = name
-        self.env = dict(env, YRCACHE_NAME=name, YRCACHE_NODE_ID=name)
+        self.env = dict(env, YRCACHE_NAME=name, YRCACHE_NODE_ID=member_id or name)
         self.log = log_dir / f"{name}.log"
         self.proc = subprocess.Popen([sys.executable, "-m", "yrcache", "node"], env=self.env,
                                      stdout=subprocess.PIPE, stderr=open(self.log, "ab"), cwd=REPO)

@@ -1042,12 +1042,14 @@ def test_a_second_live_member_with_the_same_id_is_refused(harness):
 
     a = harness.start(1)[0]
     twin = f"{harness.cluster}-twin"
-    env = dict(harness.env, YRCACHE_NAME=twin, YRCACHE_NODE_ID=a.member_id)
-    p = subprocess.run([sys.executable, "-m", "yrcache", "node"], env=env, capture_output=True, timeout=30, cwd=REPO)
-    assert p.returncode != 0 and not p.stdout.startswith(b"yrcache node "), p
-    err = p.stderr.decode()
-    assert f"member id {a.member_id!r} is in use by a live member at {a.address}" in err, err
-    assert "YRCACHE_NODE_ID" in err and not os.path.exists(f"/dev/shm/yrcache.{twin}")
+    for token in ({}, {"YRCACHE_TOKEN": "another-token"}):      # (a member that refuses ours is live too)
+        env = dict(harness.env, YRCACHE_NAME=twin, YRCACHE_NODE_ID=a.member_id, **token)
+        p = subprocess.run([sys.executable, "-m", "yrcache", "node"], env=env, capture_output=True, timeout=30,
+                           cwd=REPO)
+        assert p.returncode != 0 and not p.stdout.startswith(b"yrcache node "), p
+        err = p.stderr.decode()
+        assert f"member id {a.member_id!r} is in use by a live member at {a.address}" in err, err
+        assert "YRCACHE_NODE_ID" in err and not os.path.exists(f"/dev/shm/yrcache.{twin}")
     with harness.client() as c:
         harness.wait_members(c, 1)
         assert c._router.members[a.member_id].address == a.address
@@ -1107,6 +1109,28 @@ def test_writes_acknowledged_during_a_graceful_leave_are_kept(etcd, tmp_path):
             assert len(acked) > 20
             h.wait_members(c, 2)
             assert [int(v[0]) for v in c.mget(acked)] == [2] * len(acked)
+
+
+def test_a_member_replaced_while_it_was_stopped_does_not_take_its_id_back(harness):
+    """A member stopped past its lease, replaced by a new process under its id, registered
+    again when it woke and overwrote the new one's etcd key: two live members, one id."""
+    from cluster_util import NodeProc
+
+    a = harness.start(1)[0]
+    with harness.client() as c:
+        harness.wait_members(c, 1)
+        sigstop(a.proc.pid)
+        try:
+            wait_for(lambda: not c._router.members, 10, "the stopped member's lease to run out")
+            b = NodeProc(harness.env, f"{harness.cluster}-b", harness.tmp, member_id=a.member_id)
+            harness.nodes.append(b)
+            wait_for(lambda: a.member_id in c._router.members, 10, "the new member")
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        wait_for(lambda: "not registering again" in a.log.read_text(), 10, "the woken member to give up")
+        time.sleep(TTL)
+        assert c._router.members[a.member_id].address == b.address
+        assert f"in use by a live member at {b.address}" in a.log.read_text()
 
 
 def test_tier_hint_travels_to_the_owners(etcd, tmp_path):

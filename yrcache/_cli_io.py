@@ -109,14 +109,16 @@ def _read_all(f: Any, src: str, limit: int | None) -> bytes:
     while chunk := f.read(min(1 << 20, limit + 1 - len(out))):
         out += chunk
         if len(out) > limit:
-            raise CliError(f"{src} gives more bytes than the store can hold ({format_size(limit)}); "
-                           "nothing was stored")
+            raise CliError(f"{src} gives more bytes than the store can hold ({format_size(limit)}, or a third "
+                           "of this machine's free memory: store a file instead); nothing was stored")
     return bytes(out)
 
 
 def _capacity(s: TieredStore) -> int:
-    """The most bytes any one value could take in ``s``: all of its tiers together."""
-    return sum(int(t.get("capacity", 0)) for t in s.stats()["tiers"].values())
+    """The most bytes a value read from a stream may have: what all of ``s``'s tiers hold,
+    and at most a third of this machine's free memory (the stream is buffered here, then copied)."""
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(sum(int(t.get("capacity", 0)) for t in s.stats()["tiers"].values()), free // 3)
 
 
 def _load_npy(path: str, forced: bool, limit: int | None = None) -> Any:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._fast import keys_valid
@@ -43,9 +43,13 @@ def mset_pairs(items: Any, check: bool = True) -> list:
 def explain_pairs(pairs: list) -> None:
     """Raise ``TypeError`` naming the first item of ``pairs`` that is not a (key, value) pair."""
     for i, p in enumerate(pairs):
-        if isinstance(p, str) or not isinstance(p, Sequence) or len(p) != 2:
+        try:
+            if isinstance(p, (str, bytes)):
+                raise TypeError
+            _key, _value = p
+        except (TypeError, ValueError):
             raise TypeError(f"mset takes a mapping or (key, value) pairs; item {i} is "
-                            f"{type(p).__name__} {p!r:.60}, not a pair")
+                            f"{type(p).__name__} {p!r:.60}, not a pair") from None
 
 
 def key_bytes(key: Any) -> bytes:

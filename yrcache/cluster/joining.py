@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._fast import OwnPuts
 from ..config import WriteMode
-from ..errors import ClusterUnavailableError, StoreNotFoundError
+from ..errors import AuthenticationError, ClusterUnavailableError, StoreNotFoundError
 from ..store import TieredStore
 from . import transport as tp
 from .membership import MemberInfo, Membership, check_name
@@ -160,6 +160,8 @@ def _refuse_live_twin(member_id: str, token: bytes | None, info: MemberInfo) -> 
     peer = tp.Peer(info.address, token, name=member_id, timeout=2.0)
     try:
         held_by = json.loads(peer.stat()).get("member")
+    except AuthenticationError:     # a yrcache member answers there, with another token
+        held_by = member_id
     except Exception:       # noqa: BLE001 - no member answers there (refused, silent, not yrcache)
         return
     finally:

@@ -302,13 +302,14 @@ class Membership:
         return json.dumps(d)
 
     def _check_taken(self) -> None:
-        """At start, our key already in etcd: a predecessor whose lease has not run out yet,
-        or another process with our id. ``taken(info)`` raises to refuse starting."""
+        """Our key already in etcd when we (re)register: a predecessor whose lease has not
+        run out yet, or another process with our id (one that took it over while we were
+        stopped). ``taken(info)`` raises to refuse."""
         if self._taken is None:
             return
         value, meta = self._client.get(self.key)
         info = None if meta is None else self._parse(self.key.encode(), value)
-        if info is not None:
+        if info is not None and (info.address, info.epoch) != (self.address, self.epoch):
             try:
                 self._taken(info)
             except Exception as exc:
@@ -317,6 +318,7 @@ class Membership:
     def _register(self) -> None:
         """Put our key under a fresh lease (the old one, if any, is gone)."""
         if self._counts["registrations"]:
+            self._check_taken()
             self._begin_rejoin()
         lease = self._client.lease(max(1, math.ceil(self.ttl)))
         self._client.put(self.key, self._value(), lease=lease.id)
@@ -328,6 +330,7 @@ class Membership:
         value if that is not ours (it still says we catch up, after we have)."""
         value, meta = self._client.get(self.key)
         if meta is None:
+            self._check_taken()
             self._begin_rejoin()
             self._client.put(self.key, self._value(), lease=self._lease_id)
         elif value != self._value().encode():
@@ -452,6 +455,10 @@ class Membership:
                         self._ensure_key()
                 self._ok()
                 wait = period
+            except _Refused as refused:     # another live member took our id while we were out
+                log.error("membership %s: not registering again: %s; this process is no longer a "
+                          "member of the cluster: stop it", self.member_id, refused.args[0])
+                return
             except Exception as exc:
                 self._failed("keepalive", exc)
                 wait = min(period, _MAX_BACKOFF_S)

@@ -53,6 +53,7 @@ LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it
 FLUSH_POLL_S = 0.2            # flush() asks a member that does not answer again this often
 FLUSH_SLACK_S = 0.5           # and waits this much past its timeout for the answers
+MOVING_S = 10.0               # after a member-set change, a read that finds nothing asks again
 
 
 Clock = _fast.Clock   # the hybrid logical clock, in C (_csrc/fast_own.c): OwnPuts reads it in the same call
@@ -124,6 +125,7 @@ class Router(RangedReads, FanOut):
         self._lock = threading.Lock()
         self.on_change: list[Callable[[], None]] = []
         self.changes = 0                    # member-set changes seen (a member left, joined or restarted)
+        self.moved_at = -MOVING_S           # when the member set last changed (``moving``)
 
     def update(self, members: dict[str, MemberInfo]) -> None:
         with self._lock:
@@ -142,6 +144,8 @@ class Router(RangedReads, FanOut):
         if {m: i.epoch for m, i in members.items()} != old:     # a member restarted counts too
             self.changes += 1
             if set(members) != set(old):
+                if old:                     # (not a process's first listing)
+                    self.moved_at = time.monotonic()
                 log.info("members: %s", ", ".join(sorted(members)) or "none")
             for cb in self.on_change:
                 cb()
@@ -191,6 +195,12 @@ class Router(RangedReads, FanOut):
                     return None
                 p = self._peers[member_id] = tp.Peer(info.address, self.token, name=member_id)
             return p
+
+    def moving(self) -> bool:
+        """Whether objects may be moving between members: the member set changed less than
+        ``MOVING_S`` ago. A read that found a key nowhere then asks every member once more:
+        a hand-over can take it from a member not yet asked to one already asked."""
+        return time.monotonic() - self.moved_at < MOVING_S
 
     def reads_here(self) -> bool:
         """Whether this process may read its node's arena in place: its member is in the
@@ -338,6 +348,10 @@ class Router(RangedReads, FanOut):
         if rest:        # every member, those just asked too: a hand-over may have moved a key there since
             ask = self.last_late(m for m in self.ring.members if m != skip and m not in failed)
             got, failed2 = self.mread(dict.fromkeys(ask, rest))
+            if self.moving() and (gone := [k for k in rest if got.get(k) is None]):
+                again, failed3 = self.mread(dict.fromkeys([m for m in ask if m not in failed2], gone))
+                got.update((k, g) for k, g in again.items() if g is not None)
+                failed2 |= failed3
             failed |= failed2
             for k in rest:
                 out[k] = got.get(k)
@@ -403,6 +417,8 @@ class Router(RangedReads, FanOut):
         rest = self.last_late(m for m in itertools.chain(owners, (m for m in self.ring.members if m not in owners))
                               if m != skip and not (m == first and errors))
         probes = self._probe(rest, key, owners, errors)
+        if not any(probes.values()) and self.moving():      # (it may have been on its way between two)
+            probes = self._probe(rest, key, owners, errors)
         # The newest copy: a member back after etcd dropped it (asked last) may be the one
         # that takes a key's writes now while another still holds the copy it took meanwhile.
         hits = [(m, g) for m in rest if (g := probes.get(m)) is not None]
