@@ -34,9 +34,8 @@ static void fl_remove(hdr_t *h, uint64_t off) {
  * header put back over a live segment): taking it would hand out, and unlink
  * through, a block in use.  O(1) per allocation. */
 static int takeable(hdr_t *h, uint64_t off, uint64_t need) {
-    blk_t *b = AT(h, off);
-    if (off >= h->heap_off && off < heap_end(h) && !(off & (ALIGN - 1)) && b->state == ST_FREE &&
-        b->size >= need && b->size <= heap_end(h) - off) return 1;
+    if (block_at_ok(h, off) && size_ok(h, off) && AT(h, off)->state == ST_FREE && AT(h, off)->size >= need)
+        return 1;
     set_damaged(h);
     return 0;
 }

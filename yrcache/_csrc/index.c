@@ -13,6 +13,7 @@ static inline int key_eq(blk_t *b, uint64_t hash, const char *k, uint32_t n) {
 uint64_t *find_slot(hdr_t *h, uint64_t hash, const char *k, uint32_t n) {
     uint64_t *slot = &BUCKETS(h)[hash & (h->nbuckets - 1)];
     for (uint64_t steps = max_blocks(h); *slot; steps--) {
+        /* (link_ok's check, written out: through the pointer, every get was ~8% slower) */
         if (!steps || !block_at_ok(h, *slot)) { set_damaged(h); return NULL; }   /* a loop, a wild link */
         blk_t *b = AT(h, *slot);
         if (key_eq(b, hash, k, n)) return slot;

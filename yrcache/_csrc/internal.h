@@ -143,6 +143,10 @@ static inline uint64_t heap_end(hdr_t *h) { return h->heap_off + h->heap_size; }
 static inline int block_at_ok(hdr_t *h, uint64_t off) {
     return off >= h->heap_off && off < heap_end(h) && heap_end(h) - off >= MIN_BLOCK && !(off & (ALIGN - 1));
 }
+/* The size of the block at `off` keeps a walk over the heap going and inside it. */
+static inline int size_ok(hdr_t *h, uint64_t off) {
+    return AT(h, off)->size >= MIN_BLOCK && AT(h, off)->size <= heap_end(h) - off;
+}
 
 static inline double now_realtime(void) {
     struct timespec ts;
@@ -167,6 +171,14 @@ static inline uint64_t max_blocks(hdr_t *h) { return h->heap_size / MIN_BLOCK; }
  * e.g. an old copy of its header put back): nothing in the arena can be
  * trusted any more, so every later call fails with YR_EDAMAGED (lock()). */
 static inline void set_damaged(hdr_t *h) { h->damaged = 1; }
+
+/* One more link of a list walk (a hash chain): `off` could start a block and the walk has
+ * steps left (`*steps` from max_blocks); else the arena is damaged and the walk stops. */
+static inline int link_ok(hdr_t *h, uint64_t off, uint64_t *steps) {
+    if ((*steps)-- && block_at_ok(h, off)) return 1;
+    set_damaged(h);
+    return 0;
+}
 
 /* Byte order of a block's key against k (the sorted index's order). */
 static inline int cmp_key(blk_t *b, const char *k, uint32_t n) {

@@ -64,8 +64,7 @@ int64_t yr_scan(void *base, uint64_t *cursor, uint32_t tiers, yr_scanrec *recs, 
     for (; i < h->nbuckets && i < stop; i++) {
         uint64_t cnt = 0, want = 0, steps = max_blocks(h);
         for (uint64_t off = BUCKETS(h)[i]; off; off = AT(h, off)->next) {
-            if (!steps-- || !block_at_ok(h, off)) {     /* a chain that loops or leaves the heap */
-                set_damaged(h);
+            if (!link_ok(h, off, &steps)) {     /* a chain that loops or leaves the heap */
                 unlock(h);
                 return YR_EDAMAGED;
             }
@@ -162,8 +161,7 @@ int yr_expire(void *base, double now) {
         if (!h->ttl_objects) { unlock(h); return n; }   /* O(1) when nothing can expire */
         for (uint64_t stop = i + SCAN_BUCKETS; i < h->nbuckets && i < stop; i++) {
             uint64_t *s = &BUCKETS(h)[i], steps = max_blocks(h);
-            while (*s && steps--) {      /* (a chain that loops is damage: find_slot reports it) */
-                if (!block_at_ok(h, *s)) { set_damaged(h); break; }
+            while (*s && link_ok(h, *s, &steps)) {
                 if (expired(AT(h, *s), now)) { retire_locked(h, s); n++; }
                 else s = &AT(h, *s)->next;
             }

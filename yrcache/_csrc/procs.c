@@ -109,11 +109,11 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
     }
     uint64_t off = h->heap_off, steps = max_blocks(h);
     while (off < heap_end(h)) {
-        blk_t *b = AT(h, off);
-        if (b->size < MIN_BLOCK || b->size > heap_end(h) - off) {   /* a walk that would not end */
+        if (!size_ok(h, off)) {     /* a walk that would not end */
             set_damaged(h);
             return;
         }
+        blk_t *b = AT(h, off);
         if (b->state == ST_RESERVED && b->owner == slot && TIER_OF(b) == YR_TIER_SSD) {
             /* A stub reserved before its disk copy was written: the copy
              * (if any) goes through the retire list. */
@@ -132,8 +132,8 @@ static void release_slot_locked(hdr_t *h, uint32_t slot) {
     }
     for (uint64_t i = 0; i < h->nbuckets; i++) {
         uint64_t *s = &BUCKETS(h)[i];
-        for (uint64_t left = steps; *s && left--;) {      /* (a chain that loops: find_slot reports it) */
-            if (!block_at_ok(h, *s)) { set_damaged(h); return; }
+        for (uint64_t left = steps; *s;) {
+            if (!link_ok(h, *s, &left)) return;
             blk_t *b = AT(h, *s);
             if (TIER_OF(b) == YR_TIER_HBM && HOLDER_OF(b) == slot) {
                 b->where = YR_TIER_DRAM;   /* nothing left to free elsewhere */

@@ -33,7 +33,7 @@ void recover_locked(hdr_t *h) {
     uint64_t end = heap_end(h);
     /* 1. Pin counts from the pin table (the only source of truth). */
     for (uint64_t off = h->heap_off; off < end; off += AT(h, off)->size) {
-        if (AT(h, off)->size < MIN_BLOCK || AT(h, off)->size > end - off) {   /* a walk would not end */
+        if (!size_ok(h, off)) {     /* a walk that would not end */
             set_damaged(h);
             return;
         }
