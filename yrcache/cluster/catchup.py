@@ -21,7 +21,8 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ClusterUnavailableError
 from . import transport as tp
@@ -40,6 +41,27 @@ REJOIN_SETTLE_S = 1.0
 CHUNK = 2000
 
 
+def ask_have(router: Any, want: dict[str, list[tuple[str, tuple[int, int]]]]
+             ) -> Iterator[tuple[str, list[tuple[str, tuple[int, int]]], bytes | None]]:
+    """Ask each member ``m`` of ``want`` which of ``want[m]`` (key, version) it holds at
+    that version or newer (``HAVE``, ``CHUNK`` entries a request): yields ``(m, entries,
+    answer)``, one byte per entry (``Node.have``), or answer None for the entries of a
+    member that left or did not answer (the rest of its entries at once)."""
+    for m, entries in want.items():
+        peer = router.peer(m)
+        if peer is None:
+            yield m, entries, None
+            continue
+        for i in range(0, len(entries), CHUNK):
+            chunk = entries[i:i + CHUNK]
+            try:
+                bits = peer.have(chunk)
+            except (ClusterUnavailableError, tp.RemoteError, OSError):
+                yield m, entries[i:], None
+                break
+            yield m, chunk, bits
+
+
 def drop_stale(node: Node) -> int:
     """Drop each local copy of which an owner holds a newer write or delete; return how
     many went. Owners that do not answer are skipped (logged)."""
@@ -53,20 +75,12 @@ def drop_stale(node: Node) -> int:
             if m != me:
                 ask[m].append((key, (hlc, writer + 1)))     # "newer than ours": HAVE asks for >=
     dropped = 0
-    for m, entries in ask.items():
-        peer = router.peer(m)
-        if peer is None:
+    for m, chunk, bits in ask_have(router, ask):
+        if bits is None:
+            log.warning("catching up: member %s did not answer; its newer copies are found by rebalancing", m)
             continue
-        for i in range(0, len(entries), CHUNK):
-            chunk = entries[i:i + CHUNK]
-            try:
-                bits = peer.have(chunk)
-            except (ClusterUnavailableError, tp.RemoteError, OSError) as e:
-                log.warning("catching up: member %s did not answer (%s); its newer copies are "
-                            "found by rebalancing", m, e)
-                break
-            for (key, (hlc, writer)), b in zip(chunk, bits):
-                if b and key in node.versions:
-                    node.drop_if(key, (hlc, writer - 1))
-                    dropped += key not in node.versions
+        for (key, (hlc, writer)), b in zip(chunk, bits):
+            if b and key in node.versions:
+                node.drop_if(key, (hlc, writer - 1))
+                dropped += key not in node.versions
     return dropped

@@ -18,9 +18,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ClusterUnavailableError, StoreClosedError
-from . import transport as tp
-from .catchup import REJOIN_SETTLE_S, drop_stale
+from ..errors import StoreClosedError
+from .catchup import REJOIN_SETTLE_S, ask_have, drop_stale
 from .replication import REPAIR_S, SETTLE_S, Version
 
 if TYPE_CHECKING:
@@ -92,13 +91,9 @@ class Rebalancer(_Worker):
         """``Membership``'s ``on_rejoin``: drop the copies the cluster wrote past while this
         member was out of it, now and again once every writer sees it back (this thread,
         ``REJOIN_SETTLE_S`` later), then ``done()`` (see ``catchup``)."""
-        try:
-            dropped = drop_stale(self.node)
-        except StoreClosedError:
+        dropped = self._drop_stale()
+        if dropped is None:
             return
-        except Exception as e:          # noqa: BLE001 - the second pass still runs
-            log.warning("catching up failed: %s", e)
-            dropped = 0
         with self._cv:
             self._rejoin = (time.monotonic() + REJOIN_SETTLE_S, done, dropped)
             self._cv.notify_all()
@@ -135,13 +130,22 @@ class Rebalancer(_Worker):
                 if self._due is None:       # also a periodic pass: repairs what a failed write missed
                     self._due = time.monotonic() + (SETTLE_S if again else REPAIR_S)
 
-    def _second_pass(self, done: Callable[[], None], dropped: int) -> None:
+    def _drop_stale(self) -> int | None:
+        """``drop_stale``; None once the store is closed (0 when it failed: rebalancing
+        finds the rest)."""
         try:
-            dropped += drop_stale(self.node)
+            return drop_stale(self.node)
         except StoreClosedError:
-            return
-        except Exception as e:          # noqa: BLE001 - rebalancing finds the rest
+            return None
+        except Exception as e:          # noqa: BLE001 - logged; the next pass goes on
             log.warning("catching up failed: %s", e)
+            return 0
+
+    def _second_pass(self, done: Callable[[], None], dropped: int) -> None:
+        more = self._drop_stale()
+        if more is None:
+            return
+        dropped += more
         log.warning("this member is back in the cluster after etcd dropped it: %d copies the "
                     "others had written past or deleted meanwhile were dropped", dropped)
         done()
@@ -162,23 +166,15 @@ class Rebalancer(_Worker):
         missing: dict[str, list[str]] = collections.defaultdict(list)
         deleted: set[str] = set()       # an owner deleted it after our write
         incomplete = False
-        for m, entries in want.items():
-            peer = router.peer(m)
-            if peer is None:
+        for m, chunk, bits in ask_have(router, want):
+            if bits is None:
                 incomplete = True
                 continue
-            for i in range(0, len(entries), 2000):
-                chunk = entries[i:i + 2000]
-                try:
-                    bits = peer.have(chunk)
-                except (ClusterUnavailableError, tp.RemoteError, OSError):
-                    incomplete = True
-                    break
-                for (k, _), b in zip(chunk, bits):
-                    if not b:
-                        missing[k].append(m)
-                    elif b == 2:
-                        deleted.add(k)
+            for (k, _), b in zip(chunk, bits):
+                if not b:
+                    missing[k].append(m)
+                elif b == 2:
+                    deleted.add(k)
         moved = 0
         settled = me in router.members
         for k, v in mine:
