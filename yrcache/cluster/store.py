@@ -169,8 +169,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
             ttl: float | None = None, write_mode: WriteMode | str | None = None,
             sync_timeout: float | None = None) -> None:
         """Store ``value`` on the key's owners (see ``write_mode``); ``tier`` applies on each owner."""
-        if sync_timeout is not None:
-            sync_timeout = _sync_timeout(sync_timeout)
+        sync_timeout = _sync_timeout(sync_timeout)
         own = self._own
         if own is not None:
             # the common hybrid case, an ASYNC put with no options, in one C call
