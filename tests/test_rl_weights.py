@@ -118,7 +118,8 @@ def test_cast_on_publish_and_fetch(make_store):
     store = make_store()
     full = torch.randn(9, 10)
     npf = np.linspace(0, 1, 24, dtype=np.float32).reshape(4, 6)
-    fulls = {"w": full, "ids": torch.arange(6), "npf": npf, "npi": np.arange(5, dtype=np.int32)}
+    fulls = {"w": full, "ids": torch.arange(6), "npf": npf, "npi": np.arange(5, dtype=np.int32),
+             "np0": np.array(3.5, dtype=np.float32)}
     pubs = [WeightPublisher(store, "policy", rank=r, world=2) for r in range(2)]
     publish_all(pubs, fulls, {"w": 0}, {"w": [4, 5]}, version=1, dtype=torch.bfloat16)
     sub = WeightSubscriber(store, "policy")
@@ -128,6 +129,7 @@ def test_cast_on_publish_and_fetch(make_store):
         assert same(got["ids"], torch.arange(6))                          # ints are never cast
         assert same(got["npf"], torch.from_numpy(npf).to(torch.bfloat16))  # numpy + torch dtype -> tensor
         assert same(got["npi"], np.arange(5, dtype=np.int32))
+        assert same(got["np0"], torch.tensor(3.5, dtype=torch.bfloat16))     # a 0-d array stays 0-d
         up = sub.fetch(1, layout={"w": Shard(1, k, 3)}, dtype=torch.float32)
         assert same(up["w"], expect(full.to(torch.bfloat16).float(), Shard(1, k, 3)))
         assert up["ids"].dtype == torch.int64
@@ -195,6 +197,10 @@ def test_fetch_into(make_store):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(4, 8).t()})
     with pytest.raises(ValueError, match="conflicts"):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
+    for wrong in (torch.zeros(8, 4, dtype=torch.int32), np.zeros((8, 4), np.int64), torch.zeros(8, 4).bool()):
+        with pytest.raises(TypeError, match="would truncate"):           # floats into integers
+            sub.fetch(1, layout=lay, into={"w": wrong})
+        assert not wrong.any()
     # every destination is checked before any is written: "w" stays untouched
     w = torch.zeros(8, 4)
     with pytest.raises(ValueError, match=r"into\['h'\] has shape"):

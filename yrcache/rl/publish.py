@@ -111,7 +111,8 @@ def _source(tname: str, value: Any, dtype: Any) -> _Source:
     """Describe one state-dict value as it will be stored (after the optional cast)."""
     if isinstance(value, np.ndarray) and dtype is not None and value.dtype.kind == "f" \
             and _is_torch_dtype(dtype):
-        value = _torch().from_numpy(np.ascontiguousarray(value))  # cast to a torch dtype (bf16)
+        # cast to a torch dtype (bf16); not ascontiguousarray, which makes a 0-d array 1-d
+        value = _torch().from_numpy(value if value.flags.c_contiguous else value.copy())
     if codec.is_tensor(value):
         t = value.detach()
         if t.layout != _torch().strided or t.is_nested or t.is_quantized or t.is_meta:

@@ -560,6 +560,11 @@ def _check_into(t: _Target, dst: Any, dtype: Any) -> None:
                          f"shape {tuple(t.shape)}")
     if not (dst.is_contiguous() if is_t else dst.flags.c_contiguous and dst.flags.writeable):
         raise ValueError(f"into[{t.name!r}] must be contiguous and writable")
+    if t.floating and (not dst.dtype.is_floating_point and not dst.dtype.is_complex if is_t
+                       else dst.dtype.kind in "biu"):
+        raise TypeError(f"into[{t.name!r}] has dtype {dst.dtype}, but {t.name!r} is stored as {t.dtype}: an "
+                        "integer or bool destination would truncate the weights silently; pass a "
+                        "floating-point one")
     if dtype is not None and t.floating:
         want = _torch_dtype(dtype) if t.kind == "torch" else _numpy_dtype(dtype)
         if (_torch_dtype(want) if is_t else _numpy_dtype(want)) != dst.dtype:
