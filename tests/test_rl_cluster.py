@@ -551,3 +551,47 @@ def test_a_pure_client_subscribes_with_its_own_watch(harness):
             np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 3))
         st = sub.last_fetch_stats
         assert st["bytes_network"] == st["bytes_needed"] and st["bytes_local"] == 0   # no arena
+
+
+def test_a_version_whose_records_died_with_a_member_is_said_lost_and_its_parts_are_freed(harness):
+    """replicas=1 and the one member holding both records of the newest version V (its
+    begin record and its completion marker) is SIGKILLed: a waiter times out (no
+    ``ClusterUnavailableError`` out of ``wait``), ``fetch(V)`` says the version is lost
+    (not "reclaimed"), and once newer versions retire V its parts on the survivors go
+    too, though no marker names V any more."""
+    t0, r0 = harness.start(2)
+    harness.env["YRCACHE_LEASE_TTL"] = "4"      # the victim: 3-4 s in the ring after it dies
+    (victim,) = harness.start(1)
+    harness.env["YRCACHE_LEASE_TTL"] = str(TTL)
+    url = url_of(harness)
+    with open_store(url, t0.name) as ts, open_store(url, r0.name) as rs:
+        harness.wait_members(rs, 3)
+        pub, sub = WeightPublisher(ts, "policy"), WeightSubscriber(rs, "policy")
+        extra = {f"e{i}": np.full(8, i, np.float32) for i in range(24)}   # parts on every member
+        pub.publish({**trainer_state(0, 1, 1), **extra}, version=1)
+        b = sub.board
+        v = next(v for v in range(2, 10_000)
+                 if {ts.owners(b._started_key(v))[0], ts.owners(b.complete_key(v))[0]} == {victim.member_id})
+        pub.publish({**trainer_state(0, 1, v), **extra}, version=v)
+        assert sub.wait(newer_than=1, timeout=10) == v
+        survivors = [t0, r0]
+
+        def parts_of(version: int) -> int:
+            return sum(k.startswith(b.version_prefix(version)) for n in survivors for k in n.keys())
+        assert parts_of(v) > 0                  # 27 parts over 3 members: some on the survivors
+        victim.sigkill()
+        fresh = WeightSubscriber(rs, "policy")
+        with pytest.raises(TimeoutError):       # its marker's owner does not answer: still just waiting
+            fresh.wait(newer_than=v, timeout=1)
+        wait_for(lambda: victim.member_id not in rs._router.members, 15, "the victim's lease to run out")
+        with pytest.raises(KeyError, match=f"version {v} of 'policy' is lost: .*no live member"):
+            sub.fetch(v)
+        for w in (v + 1, v + 2):                # keep=2: these two retire v (and 1)
+            assert pub.publish({**trainer_state(0, 1, w), **extra}, version=w) is True
+        assert sub.versions() == [v + 1, v + 2]
+        assert parts_of(v) == 0 and parts_of(1) == 0
+        with pytest.raises(KeyError, match="reclaimed"):
+            sub.fetch(v)
+        res = sub.fetch(v + 2, layout=rollout_layout(1, 2))
+        for name in SHAPES:
+            np.testing.assert_array_equal(res[name], expected_slice(name, v + 2, 1, 2))

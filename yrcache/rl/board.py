@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import codec
-from ..errors import StoreClosedError
+from ..errors import ClusterUnavailableError, StoreClosedError
 from .reshard import Part, publish_parts, replicated_parts
 
 #: Keys under this prefix belong to ``yrcache.rl``.
@@ -177,11 +177,42 @@ class VersionBoard:
         """Every visible version, ascending (a listing of their markers only)."""
         return self._listed("complete/")
 
-    def versions(self, complete: list[int] | None = None) -> list[int]:
-        """Every version with anything stored (complete, in flight or abandoned),
-        ascending; ``complete``: ``complete_versions()`` when the caller has it."""
+    def versions(self, complete: list[int] | None = None, parts: bool = False) -> list[int]:
+        """Every version with a marker (complete, in flight or abandoned), ascending;
+        ``complete``: ``complete_versions()`` when the caller has it. ``parts``: also
+        those with only parts left (their markers died with a member): a listing of
+        every part, so only after the member set changed."""
         done = self._listed("complete/") if complete is None else complete
-        return sorted(set(self._listed("started/")) | set(done))
+        return sorted(set(self._listed("started/")) | set(done) | set(self._listed("v/") if parts else ()))
+
+    def why_gone(self, version: int, remote: bool) -> str:
+        """Why ``version`` has no completion marker, for an error (``remote``: over a cluster,
+        where a marker dies with the one member holding it)."""
+        latest = self.latest()
+        if latest is None or version > latest:
+            return (f"version {version} of {self.name!r} is not complete (latest complete: {latest}); "
+                    "wait() for it")
+        done = self.complete_versions()
+        newer = [d for d in done if d > version]
+        keep = None
+        for d in reversed(newer):           # the newest readable marker says how many are kept
+            try:
+                m = self.completion(d)
+            except ClusterUnavailableError:
+                continue
+            if m is not None:
+                keep = m.get("keep")
+                break
+        if isinstance(keep, int) and len(newer) >= keep:
+            return (f"version {version} of {self.name!r} was reclaimed (keep={keep}), or never completed; "
+                    f"readable: {done}: fetch one of those or wait() for a newer one")
+        if not remote:                      # one arena: a marker is never lost, only retired
+            return f"version {version} of {self.name!r} never completed (readable: {done}); fetch one of those"
+        lost = (f"its completion record is on no live member (the member holding it died; replicas "
+                f">= 2 keep a copy); readable: {done}: fetch one of those or wait() for a newer version")
+        if version == latest:
+            return f"version {version} of {self.name!r} is lost: {lost}"
+        return f"version {version} of {self.name!r} is not readable: it never completed, or {lost}"
 
     def latest(self) -> int | None:
         """The newest visible version, or None: one atomic load of the record."""

@@ -228,6 +228,7 @@ class WeightPublisher:
         self._woke_nobody = False        # a version completed here, its waiters not woken yet
         self._structures: dict[tuple, bytes] = {}     # manifests' shapes -> merged structure
         self._nonce = ("", 0)            # (nonce, pid): one per publisher and process
+        self._swept: int | None = None   # member_changes at the last look for unmarked versions
         #: Over a cluster, how long a publish that fails for want of a member (one died and
         #: stays in the ring until its lease expires) waits for the member set to change and
         #: tries again; None: two lease TTLs and a second; 0: it raises at once.
@@ -486,9 +487,15 @@ class WeightPublisher:
         if len(done) <= self.keep:
             return
         threshold = done[-self.keep]
-        for v in self.board.versions(done):
+        # A member that died took the markers it held: once per member-set change, and at
+        # the first reclaim, look for versions that have parts left and no marker.
+        changes = self._member_changes()
+        sweep = changes is not None and changes != self._swept
+        for v in self.board.versions(done, parts=sweep):
             if v < threshold:
                 self.board.retire(v)
+        if sweep:
+            self._swept = changes
 
     def latest(self) -> int | None:
         """The newest complete version of this weight set, or None."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from .. import buffers, codec
+from ..errors import ClusterUnavailableError
 from .board import FORMAT, VersionBoard, _Tensor, decode_structure, parse_marker, part_suffix
 from .publish import _check_cast, _check_version, _is_torch_dtype, _numpy_dtype, _torch, _torch_dtype  # noqa: F401
 from ..types import Array, DType
@@ -241,15 +242,15 @@ class WeightSubscriber:
         self._prepared = True
         try:
             self._compile(self._marker(version)[1]["structure"], None, version)
-        except (KeyError, ValueError, TypeError):
-            pass                                 # retired meanwhile, or unreadable: fetch() will say
+        except (KeyError, ValueError, TypeError, ClusterUnavailableError):
+            pass                                 # retired, lost or unreadable: fetch() will say
 
     def _marker(self, version: int) -> tuple[bytes, dict]:
         """``version``'s marker: its bytes and its parsed form (shared with the last
         marker of the same bytes: do not mutate it)."""
         raw = self.store.get(self.board.complete_key(version))
         if raw is None:
-            raise KeyError(self._gone(version))
+            raise KeyError(self.board.why_gone(version, is_remote(self.store)))
         raw = bytes(raw)
         last = self._last_marker
         if last is not None and last[0] == raw:
@@ -304,18 +305,6 @@ class WeightSubscriber:
                 while len(self._compiled) > 8:
                     self._compiled.popitem(last=False)
         return c
-
-    def _gone(self, version: int) -> str:
-        latest = self.board.latest()
-        if latest is None or version > latest:
-            return (f"version {version} of {self.name!r} is not complete (latest complete: {latest}); "
-                    "wait() for it")
-        done = self.board.complete_versions()
-        if done and version > done[0]:      # newer than a kept one: it was skipped, not reclaimed
-            return f"version {version} of {self.name!r} never completed (readable: {done}); fetch one of those"
-        m = self.board.completion(latest)
-        keep = m.get("keep", "?") if m else "?"
-        return f"version {version} of {self.name!r} was reclaimed (keep={keep}); wait for a newer one"
 
     def _targets(self, info: dict[str, _Tensor], layout, version: int) -> _Compiled:
         if layout is None:
@@ -420,7 +409,7 @@ class WeightSubscriber:
             if views is None:                          # one atomic, pinned snapshot
                 views = _read_parts(self.store, keys, decoded)
             if any(v is None for v in views):
-                raise KeyError(self._gone(version))
+                raise KeyError(self.board.why_gone(version, is_remote(self.store)))
             bufs = None if decoded else [np.frombuffer(body, np.uint8) for _meta, body in views]
         if c.needed >= PREFAULT_MIN_BYTES and views is not None:
             # The byte range each part is read in, mapped in one call per part (a
@@ -487,7 +476,7 @@ class WeightSubscriber:
             bufs, packed, net = fetch_parts(self.store, self.name, version, keys, spans, prefer, private, direct)
         except PartsUnavailable as e:
             if not self.board.is_complete(version):
-                raise KeyError(self._gone(version)) from None
+                raise KeyError(self.board.why_gone(version, is_remote(self.store))) from None
             raise PartsUnavailable(
                 f"version {version} of {self.name!r}: part {e.args[0]!r} is on no live member (the "
                 "members holding it died); wait() for a newer version") from None
