@@ -364,7 +364,19 @@ def test_a_closed_store_is_not_read(make_store):
     store = make_store()
     pub, sub = WeightPublisher(store, "policy"), WeightSubscriber(store, "policy")
     pub.publish({"w": torch.ones(3)}, version=1)
+    got: list = []
+
+    def waiter() -> None:                    # blocked in wait() when another thread closes the store
+        try:
+            sub.wait(newer_than=1)
+        except StoreClosedError as e:
+            got.append(e)
+    th = threading.Thread(target=waiter, daemon=True)
+    th.start()
+    time.sleep(0.3)
     store.close()
+    th.join(5)
+    assert not th.is_alive() and len(got) == 1      # it waited forever before
     for call in (sub.latest, sub.versions, lambda: sub.wait(timeout=0), lambda: sub.wait(newer_than=0),
                  pub.latest):
         with pytest.raises(StoreClosedError, match="closed"):

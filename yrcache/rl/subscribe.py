@@ -177,7 +177,8 @@ class WeightSubscriber:
         even if it equals ``newer_than``, when the caller is at most ``k``
         versions behind the newest version the trainer has started to publish.
         Never returns a version older than ``newer_than``.  Raises
-        ``TimeoutError`` after ``timeout`` seconds.  Sleeps on a futex in the
+        ``TimeoutError`` after ``timeout`` seconds, ``StoreClosedError`` within a
+        second of another thread closing the store.  Sleeps on a futex in the
         arena: wakes well under a millisecond after the publish, no polling.
         """
         self.board.check_open()
@@ -192,6 +193,7 @@ class WeightSubscriber:
         if not self._wants.fetched:
             self._wants.present()                # the node's other processes: land what they pull
         while True:
+            self.board.check_open()              # the store closed by another thread: within 1 s
             seen = self.board.token()            # before checking: no lost wake-up
             latest = self.board.latest()
             if latest is not None:
