@@ -10,7 +10,9 @@ transport's own byte counter.
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
+import os
 import queue
 import signal
 import time
@@ -551,6 +553,40 @@ def test_a_pure_client_subscribes_with_its_own_watch(harness):
             np.testing.assert_array_equal(res[name], expected_slice(name, 2, 0, 3))
         st = sub.last_fetch_stats
         assert st["bytes_network"] == st["bytes_needed"] and st["bytes_local"] == 0   # no arena
+        # A forked child: the client's watch stays the parent's, so the inherited subscriber
+        # says so (it timed out silently), and a store the child opens itself publishes (the
+        # parent's rl thread pool, whose threads the child has not, hung it).
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:                                        # the child: report, then exit at once
+            out = []
+            try:
+                sub.wait(newer_than=2, timeout=5)
+                out.append("wait returned")
+            except ClusterUnavailableError as e:
+                out.append(str(e))
+            except BaseException as e:                      # noqa: BLE001 - reported to the parent
+                out.append(f"{type(e).__name__}: {e}")
+            try:
+                with harness.client(replicas=1) as mine:
+                    harness.wait_members(mine, 3)
+                    out.append(WeightPublisher(mine, "child").publish(trainer_state(0, 1, 1), version=1))
+            except BaseException as e:                      # noqa: BLE001
+                out.append(f"{type(e).__name__}: {e}")
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 30
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung")
+            time.sleep(0.1)
+        with os.fdopen(r) as f:
+            got = json.loads(f.read() or "[]")
+        assert len(got) == 2 and "forked" in got[0] and got[1] is True, got
+        assert WeightSubscriber(c, "child").wait(timeout=10) == 1
 
 
 def test_a_version_whose_records_died_with_a_member_is_said_lost_and_its_parts_are_freed(harness):

@@ -71,12 +71,19 @@ class WordWatch(Membership):
             return None
 
 
+#: Why a cluster store's etcd-backed parts do not work in a forked child.
+FORKED = ("this process was forked from the one that opened the cluster store, and etcd's client "
+          "does not survive a fork: open the store in this process (TieredStore() with the same "
+          "environment attaches to the node), or start workers with 'spawn'")
+
+
 class ProcessWord:
     """An arena word's interface over this process's memory (a pure client has no arena)."""
 
     def __init__(self) -> None:
         self.value = 0
         self.seq = 0
+        self.orphaned = False          # in a forked child: nothing mirrors etcd into it
         self._cond = threading.Condition()
 
     def cas(self, expected: int, desired: int) -> bool:
@@ -87,6 +94,8 @@ class ProcessWord:
             return True
 
     def wait(self, seen: int, timeout: float | None) -> bool:
+        if self.orphaned:
+            raise ClusterUnavailableError(FORKED)
         with self._cond:
             return self._cond.wait_for(lambda: self.seq != seen, timeout)
 
@@ -102,6 +111,13 @@ class ProcessWords:
     def __init__(self) -> None:
         self._words: dict[str, ProcessWord] = {}
         self._lock = threading.Lock()
+
+    def forked(self) -> None:
+        """In a forked child: its words are not mirrored any more (the watch is the parent's)."""
+        self._lock = threading.Lock()
+        for w in self._words.values():
+            w.orphaned = True
+            w._cond = threading.Condition()
 
     def word(self, name: str) -> ProcessWord:
         with self._lock:

@@ -15,7 +15,7 @@ from ..config import WriteMode
 from ..errors import ClusterUnavailableError
 from ..validate import key_bytes
 from . import transport as tp
-from .records import Mirror, ProcessWords, SharedWord
+from .records import FORKED, Mirror, ProcessWords, SharedWord
 
 if TYPE_CHECKING:
     from ..store import TieredStore
@@ -65,10 +65,7 @@ class NodeSharing:
         watch of its own started on first use."""
         self._check_open()
         if self._membership is None:
-            raise ClusterUnavailableError(
-                "this process was forked from the one that opened the cluster store, and etcd's "
-                "client does not survive a fork: open the store in this process (TieredStore() with "
-                "the same environment attaches to the node), or start workers with 'spawn'")
+            raise ClusterUnavailableError(FORKED)
         w = self._shared.get(name)
         if w is None:
             if self._local is not None:

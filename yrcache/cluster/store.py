@@ -34,7 +34,7 @@ from ..validate import check_iterable_keys, check_keys, expire_at as _expire_at,
 from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
-from .records import Mirror, SharedWord
+from .records import Mirror, ProcessWords, SharedWord
 from .settings import check_tier, env_bool, env_int, env_seconds, parse_cluster
 from .joining import Joining
 from .sharing import HERE_MIN, NodeSharing
@@ -515,6 +515,8 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         if self.role == "member":
             self.role = "attached"
         self._node = self._router.node = None
+        if self._mirror is not None and isinstance(self._mirror.local, ProcessWords):
+            self._mirror.local.forked()     # a pure client's words: nobody updates them here
         self._server = self._membership = self._mirror = None
         self._shared = {}
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ read in place, no copy, no network.
 from __future__ import annotations
 
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -31,6 +32,15 @@ from .landers import landing
 NODE_CACHE = "__node__/rl/"
 SPANS_PER_READ = 4096          # (wire.MAX_SPANS)
 _POOL: list[ThreadPoolExecutor] = []
+
+
+def _forget_pool() -> None:
+    """In a forked child: the parent's threads do not exist here, so its pool would take
+    work and never run it."""
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def pool() -> ThreadPoolExecutor:
