@@ -215,7 +215,7 @@ def test_two_trainer_nodes_three_rollout_nodes_five_versions(harness):
     assert {int(k.split("/")[3]) for k in held if k.startswith("__rl__/policy/v/")} == {4, 5}
     for n in (r0, r1, r2):                 # a node's landed spans of retired versions are gone
         with open_store(url, n.name) as s:
-            cached = {int(k.split("/")[3]) for k in s.node_store.keys(prefix="__node__/rl/policy/")}
+            cached = {int(k.split("/")[3]) for k in s.node_store.keys(prefix="__node__/cache/rl/policy/")}
             assert cached <= {4, 5}, cached
 
 
@@ -240,10 +240,11 @@ def test_processes_of_a_node_pull_a_shared_slice_once(harness):
     for s in sts:
         assert s["bytes_network"] + s["bytes_node_cache"] + s["bytes_local"] == s["bytes_needed"]
     # the landed spans are the node's own objects: the member never lists (so never moves) them
+    from yrcache.cluster.member import NODE_CACHE_PREFIX
     from yrcache.cluster.store import ClusterStore
     from yrcache.rl.remote import NODE_CACHE
 
-    assert NODE_CACHE.startswith(ClusterStore.NODE_PREFIX)
+    assert NODE_CACHE.startswith(NODE_CACHE_PREFIX) and NODE_CACHE_PREFIX.startswith(ClusterStore.NODE_PREFIX)
     with open_store(url, r0.name) as s:
         assert any(k.startswith(NODE_CACHE) for k in s.node_store.keys())
         assert not any(k.startswith(ClusterStore.NODE_PREFIX) for k in s.keys())
@@ -631,3 +632,32 @@ def test_a_version_whose_records_died_with_a_member_is_said_lost_and_its_parts_a
         res = sub.fetch(v + 2, layout=rollout_layout(1, 2))
         for name in SHAPES:
             np.testing.assert_array_equal(res[name], expected_slice(name, v + 2, 1, 2))
+
+
+def test_a_member_drops_its_nodes_cached_copies_to_take_a_write_it_owns(harness):
+    """A node's landed spans (``__node__/cache/``) fill its small arena: a write the member
+    owns (a part of a new version) takes their room instead of failing with "member is
+    full" until a fetch of a newer version would free them (it never could, since no newer
+    version could be published)."""
+    (big,) = harness.start(1)
+    harness.env["YRCACHE_DRAM"] = "8MiB"
+    (small,) = harness.start(1)
+    url = url_of(harness)
+    from yrcache.rl.remote import NODE_CACHE
+    with open_store(url, big.name) as bs, open_store(url, small.name) as ss:
+        harness.wait_members(bs, 2)
+        node, cached = ss.node_store, 0
+        while True:                              # the node's copies, as fetches land them
+            try:
+                node.put(f"{NODE_CACHE}policy/{1:020d}/{cached}", np.full(256 << 10, 7, np.uint8))
+            except MemoryError:
+                break
+            cached += 1
+        assert cached >= 16
+        mine = [k for k in (f"w{i}" for i in range(200)) if bs.owners(k) == [small.member_id]][:3]
+        for k in mine:                           # 1 MiB each: no room for them but the copies'
+            bs.put(k, np.full(1 << 20, 3, np.uint8))
+        for k in mine:
+            assert (np.asarray(bs.get(k)) == 3).all()
+        assert not list(node.keys(prefix="__node__/cache/"))
+    assert "dropped" in small.log.read_text()

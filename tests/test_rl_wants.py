@@ -84,13 +84,13 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
         v = _publish_remote(pub, rs, sub, 1)
         st = _fetch(rs, sub, v, 2)
         assert st["bytes_direct"] == 0 and st["bytes_network"] == st["remote"] > 0   # first: landed
-        landed = list(rs.node_store.keys(prefix="__node__/rl/policy/"))
+        landed = list(rs.node_store.keys(prefix="__node__/cache/rl/policy/"))
         assert landed
         for kw in ({}, {"dtype": np.float64}):
             v = _publish_remote(pub, rs, sub, v)
             st = _fetch(rs, sub, v, 2, **kw)
             assert st["bytes_direct"] == st["bytes_network"] == st["remote"] > 0, st
-            assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
+            assert not [k for k in rs.node_store.keys(prefix="__node__/cache/rl/policy/") if k not in landed]
         # into= destinations in the stored dtype take the bytes straight in too; in another
         # dtype, or not contiguous, they are received privately, then copied (nothing landed)
         for dt, straight in ((np.float32, True), (np.float64, False), (None, False)):
@@ -110,7 +110,7 @@ def test_a_slice_nobody_else_wants_goes_straight_into_the_results(harness):
             assert st["bytes_direct"] == (st["bytes_network"] if straight else 0), (dt, st)
             for name in SHAPES:
                 np.testing.assert_array_equal(into[name], expected_slice(name, v, 2, 3))
-            assert not [k for k in rs.node_store.keys(prefix="__node__/rl/policy/") if k not in landed]
+            assert not [k for k in rs.node_store.keys(prefix="__node__/cache/rl/policy/") if k not in landed]
 
 
 def test_a_subscriber_that_waits_makes_the_others_land_itsfirst_version(harness):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._fast import KeyLock, OwnPuts
 from ..config import Tier, WriteMode
-from ..errors import ClusterUnavailableError, StoreClosedError
+from ..errors import ClusterUnavailableError, StoreClosedError, StoreFullError
 from . import transport as tp
 from .rebalance import Rebalancer, _surplus, _Worker
 from .replication import BATCH, IDLE_S, LINGER_S, QUEUE_MAX, REBALANCE_RATE, TOMBSTONE_S, Version, check_wire_meta
@@ -40,6 +40,9 @@ log = logging.getLogger("yrcache.cluster")
 #: Keys a node's processes keep in its arena for themselves (``ClusterStore.node_store``):
 #: not the cluster's, so never listed, forwarded or rebalanced.
 NODE_PREFIX = "__node__/"
+#: Of those, copies of bytes the cluster holds elsewhere (``yrcache.rl``'s landed spans):
+#: the member drops them when a write it owns finds no room, rather than refuse the write.
+NODE_CACHE_PREFIX = NODE_PREFIX + "cache/"
 
 
 class Node(tp.Handler):
@@ -119,13 +122,31 @@ class Node(tp.Handler):
             if skip is not None:
                 skip()
             return tp.SAME if version == cur else tp.STALE
+        kw = {}
         if expire_at or priority or flags >> tp.TIER_SHIFT:
             ttl, tier = _ttl_tier(expire_at, flags)
-            self.local.put_with(key, meta, nbytes, fill, priority=priority, ttl=ttl, tier=tier)
-        else:
-            self.local.put_with(key, meta, nbytes, fill)
+            kw = {"priority": priority, "ttl": ttl, "tier": tier}
+        try:
+            self.local.put_with(key, meta, nbytes, fill, **kw)
+        except StoreFullError:
+            if not self.shed_cache(key):
+                raise
+            self.local.put_with(key, meta, nbytes, fill, **kw)
         self._applied(key, version, flags)
         return tp.OK
+
+    def shed_cache(self, why: str) -> bool:
+        """Drop this node's cached copies (``NODE_CACHE_PREFIX``) to make room for a write of
+        ``why``; False if there were none. Their processes pull the bytes again when they
+        need them (a copy one of them is reading stays until it lets go)."""
+        keys = list(self.local.keys(prefix=NODE_CACHE_PREFIX))
+        for k in keys:
+            self.local.delete(k)
+        if keys:
+            log.warning("%s: the arena is full: dropped %d cached copies to take a write of %r (the "
+                        "node's processes fetch them again; give the node more YRCACHE_DRAM)",
+                        self.member_id, len(keys), why[:80])
+        return bool(keys)
 
     def _applied(self, key: str, version: Version, flags: int) -> None:
         """Remember that ``key`` is stored here at ``version`` (under its lock)."""

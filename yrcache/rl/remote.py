@@ -29,7 +29,7 @@ from ..errors import StoreFullError
 from .landers import landing
 
 #: Keys of a node's own arena that hold fetched weight bytes (``ClusterStore.node_store``).
-NODE_CACHE = "__node__/rl/"
+NODE_CACHE = "__node__/cache/rl/"       # (cluster.member.NODE_CACHE_PREFIX: dropped when room is short)
 SPANS_PER_READ = 4096          # (wire.MAX_SPANS)
 _POOL: list[ThreadPoolExecutor] = []
 
