@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import numpy as np
@@ -236,3 +237,25 @@ def test_a_store_without_room_for_another_word_says_it_is_full(make_store):
     with pytest.raises(StoreFullError, match="the store is full"):
         for i in range(100_000):
             s.word(f"w{i}")
+
+
+@pytest.mark.parametrize("client", [False, True], ids=["arena", "process"])
+def test_a_word_wait_takes_any_timeout(make_store, client):
+    """A huge or infinite timeout waits for the wake (1e300 overflowed the C call's time_t:
+    the wait returned True at once, as if woken); a negative one has passed; NaN and a
+    string are refused. ``process``: a pure client's words, in its own memory."""
+    from yrcache.cluster.records import ProcessWord
+
+    w = ProcessWord() if client else make_store().word("w")
+    for big in (1e300, float("inf"), 2e9):
+        seen = w.seq
+        t = threading.Timer(0.3, w.wake)
+        t.start()
+        start = time.monotonic()
+        assert w.wait(seen, big) is True and time.monotonic() - start >= 0.25, big
+        t.join()
+    assert w.wait(w.seq, -1) is False and w.wait(w.seq, 0) is False
+    with pytest.raises(ValueError, match="NaN"):
+        w.wait(w.seq, float("nan"))
+    with pytest.raises(TypeError, match="number of seconds"):
+        w.wait(w.seq, "1")

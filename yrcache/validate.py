@@ -132,6 +132,22 @@ def timeout(value: float | None) -> float | None:
     return float(value)
 
 
+#: A wait longer than this (~31 years) is a wait without limit.
+FOREVER_S = 1e9
+
+
+def wait_seconds(value: float | None) -> float | None:
+    """A word's ``wait`` timeout: seconds, at least 0 (a negative one is 0: already past), or
+    None for no limit (also for ``inf`` and anything over ``FOREVER_S``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(value).__name__} {value!r}")
+    if value != value:
+        raise ValueError("timeout is NaN: give a number of seconds, or None to wait as long as it takes")
+    return None if value > FOREVER_S else max(float(value), 0.0)
+
+
 def sync_timeout(value: float | None) -> float | None:
     """A write-through put's ``sync_timeout``: None (the store's default) or seconds > 0."""
     if value is None:

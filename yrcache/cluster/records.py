@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from ..errors import ClusterUnavailableError
+from ..validate import wait_seconds
 from .membership import Membership, _pyetcd, check_name
 
 log = logging.getLogger("yrcache.cluster")
@@ -96,8 +97,9 @@ class ProcessWord:
     def wait(self, seen: int, timeout: float | None) -> bool:
         if self.orphaned:
             raise ClusterUnavailableError(FORKED)
+        t = wait_seconds(timeout)
         with self._cond:
-            return self._cond.wait_for(lambda: self.seq != seen, timeout)
+            return self._cond.wait_for(lambda: self.seq != seen, t)
 
     def wake(self) -> None:
         with self._cond:

@@ -24,7 +24,7 @@ from .._fast import HotPath
 from .. import pinning, stopping
 from ..errors import StoreFullError, StoreNotFoundError, YrcacheError
 from . import _fork
-from ..validate import MAX_KEY_BYTES
+from ..validate import MAX_KEY_BYTES, wait_seconds
 from .dram_types import ANY_SEQ, MREAD_BYTES, POPULATE_MIN, SMALL_READ, ScanRec, damaged, records, split_keys, \
     word_value_error
 from .segment import (SHM_DIR, allocate, check_name, check_trusted, creation_done, destroy,  # noqa: F401
@@ -131,10 +131,12 @@ class Word:
             raise word_value_error(expected, desired) from None
 
     def wait(self, seen: int, timeout: float | None) -> bool:
-        """Sleep until ``seq`` differs from ``seen``; False on timeout."""
-        rc = lib.yr_futex_wait(ffi.addressof(self.ptr, "seq"), seen,
-                               -1.0 if timeout is None else max(timeout, 0.0))
-        return rc != 1
+        """Sleep until ``seq`` differs from ``seen``; False on timeout (``validate.wait_seconds``)."""
+        t = wait_seconds(timeout)
+        rc = lib.yr_futex_wait(ffi.addressof(self.ptr, "seq"), seen, -1.0 if t is None else t)
+        if rc < 0:
+            raise OSError(-rc, f"waiting on a word: {os.strerror(-rc)}")
+        return rc == 0
 
     def wake(self) -> None:
         lib.yr_futex_wake(ffi.addressof(self.ptr, "seq"))
@@ -552,7 +554,6 @@ class Arena:
         return w
 
     # ----------------------------------------------------------- closing
-
     def release_handle(self) -> None:
         """The store handle is done.  The owner unlinks the segment's name
         (unless the store persists): processes still attached keep their
@@ -583,9 +584,8 @@ class Arena:
             self._fd = -1
 
     def unlink(self) -> bool:
-        """Remove the segment's name if it still names *this* segment.  (A
-        store destroyed and created again under the same name is another
-        segment; an old handle must not unlink it.)  Mappings stay valid."""
+        """Remove the segment's name if it still names *this* segment.  (A store destroyed and
+        created again under the same name is another segment; an old handle must not unlink it.)"""
         return unlink_if(self.name, self._ident)
 
     def __del__(self):
