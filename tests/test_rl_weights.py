@@ -197,6 +197,8 @@ def test_fetch_into(make_store):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(4, 8).t()})
     with pytest.raises(ValueError, match="conflicts"):
         sub.fetch(1, layout=lay, into={"w": torch.zeros(8, 4)}, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="device meta"):
+        sub.fetch(1, layout=lay, into={"w": torch.empty(8, 4, device="meta")})
     for wrong in (torch.zeros(8, 4, dtype=torch.int32), np.zeros((8, 4), np.int64), torch.zeros(8, 4).bool()):
         with pytest.raises(TypeError, match="would truncate"):           # floats into integers
             sub.fetch(1, layout=lay, into={"w": wrong})

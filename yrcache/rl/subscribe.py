@@ -551,6 +551,9 @@ def _check_into(t: _Target, dst: Any, dtype: Any) -> None:
                          f"shape {tuple(t.shape)}")
     if not (dst.is_contiguous() if is_t else dst.flags.c_contiguous and dst.flags.writeable):
         raise ValueError(f"into[{t.name!r}] must be contiguous and writable")
+    if is_t and dst.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"into[{t.name!r}] is on device {dst.device}; fetch writes into CPU or CUDA "
+                         "tensors (a meta tensor has no memory to write)")
     if t.floating and (not dst.dtype.is_floating_point and not dst.dtype.is_complex if is_t
                        else dst.dtype.kind in "biu"):
         raise TypeError(f"into[{t.name!r}] has dtype {dst.dtype}, but {t.name!r} is stored as {t.dtype}: an "
