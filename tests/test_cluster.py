@@ -836,12 +836,22 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
 
 @pytest.mark.parametrize("var,raw,says", [("YRCACHE_MEMBER", "maybe", "is not a yes/no value"),
                                           ("YRCACHE_LEASE_TTL", "abc", "is not a number of seconds"),
-                                          ("YRCACHE_LEASE_TTL", "0", "give a number of seconds > 0")])
+                                          ("YRCACHE_LEASE_TTL", "0", "give a number of seconds > 0"),
+                                          ("YRCACHE_REPAIR_S", "0", "give a number of seconds > 0"),
+                                          ("YRCACHE_REBALANCE_RATE", "fast", "is not a size"),
+                                          ("YRCACHE_RECV_POOL", "lots", "is not a size"),
+                                          ("YRCACHE_POLL_US", "-3", "is below 0")])
 def test_a_bad_cluster_variable_is_named(monkeypatch, var, raw, says):
-    """(YRCACHE_MEMBER=maybe was a client; a bad TTL was float()'s message.)"""
+    """(YRCACHE_MEMBER=maybe was a client; a bad TTL was float()'s message; REPAIR_S=0 made a
+    member busy-loop; the last three were read at import, a traceback out of ``import yrcache``
+    that did not name the variable.)"""
     monkeypatch.setenv(var, raw)
     with pytest.raises(ValueError, match=f"{var}='{raw}' {says}|{var}='{raw}': {says}"):
         TieredStore(cluster=f"etcd://127.0.0.1:{free_port()}/x")
+    env = dict(os.environ, YRCACHE_RECV_POOL="64MiB")
+    got = subprocess.run([sys.executable, "-c", "import yrcache; from yrcache import buffers; "
+                          "print(buffers.POOL.limit)"], env=env, capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and got.stdout.split() == [str(64 << 20)], got.stderr   # a size, as documented
 
 
 def test_flush_keeps_to_its_timeout_when_a_member_hangs(harness):

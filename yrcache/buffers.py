@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .sizes import env_size
 from .tiers.dram import ffi      # the compiled core's: cffi.FFI() would import pycparser (~30 ms)
 
 #: Smaller buffers come from the allocator; pooled ones are rounded up to a multiple of it.
@@ -65,7 +66,10 @@ class BufferPool:
         self._lock = threading.Lock()
 
 
-POOL = BufferPool(int(os.environ.get("YRCACHE_RECV_POOL") or 512 << 20))
+try:
+    POOL = BufferPool(env_size("YRCACHE_RECV_POOL", 512 << 20))
+except ValueError:              # reported by the first cluster store (settings.check_environment)
+    POOL = BufferPool(512 << 20)
 os.register_at_fork(after_in_child=POOL._forked)
 
 

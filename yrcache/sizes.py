@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import overload
 
@@ -51,6 +52,23 @@ def parse_size(value: int | float | str | None, what: str = "size") -> int | Non
     if n != n or n == float("inf"):
         raise ValueError(f"{what} must be a finite size, got {value!r}")
     return int(n)
+
+
+def env_size(name: str, default: int, minimum: int = 0) -> int:
+    """The size in the environment variable ``name`` (bytes, or ``"512MiB"``), ``default``
+    when unset or empty; a ``ValueError`` naming the variable when it is not a size of at
+    least ``minimum`` bytes."""
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        n = parse_size(raw, name)
+    except ValueError:
+        n = -1
+    if n < minimum:
+        raise ValueError(f"{name}={raw!r} is not a size of at least {minimum} bytes: give bytes or a "
+                         "number with a unit such as '512MiB' or '1GiB'")
+    return n
 
 
 def format_size(n: float) -> str:

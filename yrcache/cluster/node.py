@@ -27,6 +27,9 @@ EPILOG = """environment (docs/cluster.md):
   YRCACHE_WRITE_MODE  write_through | async | none (default write_through)
   YRCACHE_TOKEN       shared secret every peer proves (required off loopback)
   YRCACHE_DRAM, YRCACHE_SSD, YRCACHE_SSD_SIZE   tier sizes and path
+  YRCACHE_NODE_ID     member id (default <hostname>-<store name>)
+  YRCACHE_LEASE_TTL   seconds before a silent member is dropped (default 10)
+  YRCACHE_REPAIR_S, YRCACHE_REBALANCE_RATE, YRCACHE_POLL_US, YRCACHE_RECV_POOL: see the docs
 
 example:
   YRCACHE_ETCD=127.0.0.1:2379 YRCACHE_NAME=node1 yrcache node"""

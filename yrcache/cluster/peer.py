@@ -18,7 +18,7 @@ from typing import Any
 
 from .._fast import await_replies, wire_entries, wire_items, wire_puts
 from ..errors import AuthenticationError, ClusterUnavailableError
-from .settings import env_int
+from .settings import env_int, read_at_import
 from .wire import (_GOT_ITEM, _PUT_ITEM, ADOPT, ALL, DELETE, ERROR, FLUSH, FULL, GET, GETV, HAVE, KEYS, MAGIC, MAX_BATCH,
                    MAX_KEY, MAX_META, MAX_SPANS, MGET, MPUT, NONCE, NOT_FOUND, OK, OP_NAMES, PING, PROTO, PUT, SMALL, SMALL_REPLY,
                    STAT, Frame, Got, ProtocolError, Reader, RemoteError, Span, alloc, decode_entries,
@@ -49,7 +49,7 @@ PIPELINE_BYTES = 32 << 10
 #: A small request polls for its reply up to this long before it sleeps (``_fast.round_trip``,
 #: ``Conn.await_reply``; 0: never): a reply that finds the client awake spares the member a
 #: wake-up, which on a virtual machine costs it more than a small put's work.
-POLL_NS = env_int("YRCACHE_POLL_US", 100, minimum=0) * 1000
+POLL_NS = read_at_import(env_int, "YRCACHE_POLL_US", 100, 0) * 1000
 AWAIT_MAX = 1024         # sockets one await_replies waits for
 
 

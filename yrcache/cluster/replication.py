@@ -28,13 +28,14 @@ from typing import TYPE_CHECKING, Any
 from .. import _fast, codec
 from ..config import Tier, WriteMode
 from ..errors import ClusterUnavailableError
-from ..sizes import parse_size
+from ..sizes import env_size
 from . import transport as tp
 from .membership import MemberInfo
 from .fanout import FanOut
 from .ranged import RangedReads
 from .peer import AWAIT_MAX, POLL_NS
 from .ring import Ring
+from .settings import env_seconds, read_at_import
 
 if TYPE_CHECKING:
     from .member import Node
@@ -46,8 +47,8 @@ OWNERS_CACHE = 1 << 16        # keys whose owners are remembered until the ring 
 QUEUE_MAX = 100_000           # objects waiting to be forwarded before an ASYNC put blocks
 TOMBSTONE_S = 60.0            # how long a delete's version is remembered
 SETTLE_S = 3.0                # a membership change is checked again this much later
-REPAIR_S = float(os.environ.get("YRCACHE_REPAIR_S") or 30.0)   # and every member checks this often
-REBALANCE_RATE = parse_size(os.environ.get("YRCACHE_REBALANCE_RATE") or "1GiB")  # bytes/s of moves
+REPAIR_S = read_at_import(env_seconds, "YRCACHE_REPAIR_S", 30.0)    # and every member checks this often
+REBALANCE_RATE = read_at_import(env_size, "YRCACHE_REBALANCE_RATE", 1 << 30, 1)   # bytes/s of moves
 BATCH = 256                   # objects the forwarder ships per pipelined round
 LINGER_S = 0.002              # how long it waits for a burst to fill a batch
 IDLE_S = 1.0                  # with nothing to send this long, it sleeps until a write wakes it

@@ -72,6 +72,25 @@ def env_seconds(name: str, default: float) -> float:
     return value
 
 
+def read_at_import(read: Callable[..., Any], name: str, default: Any, *args: Any) -> Any:
+    """``read(name, default, *args)`` for a module constant: ``default`` when the variable is
+    malformed, so that importing yrcache never fails on it (``check_environment``, called by
+    every cluster store, reports it)."""
+    try:
+        return read(name, default, *args)
+    except ValueError:
+        return default
+
+
+def check_environment() -> None:
+    """Refuse malformed settings that modules read at import (``read_at_import``)."""
+    from ..sizes import env_size
+    env_seconds("YRCACHE_REPAIR_S", 30.0)
+    env_size("YRCACHE_REBALANCE_RATE", 1 << 30, 1)
+    env_size("YRCACHE_RECV_POOL", 512 << 20)
+    env_int("YRCACHE_POLL_US", 100, 0)
+
+
 def check_tier(tier: Tier | None) -> Tier | None:
     """``tier=`` of a write, checked here: each owner applies it to its own store."""
     if tier is None:

@@ -35,7 +35,7 @@ from . import transport as tp
 from .membership import Membership, check_name
 from .member import NODE_PREFIX, Node
 from .records import Mirror, ProcessWords, SharedWord
-from .settings import check_tier, env_bool, env_int, env_seconds, parse_cluster
+from .settings import check_environment, check_tier, env_bool, env_int, env_seconds, parse_cluster
 from .joining import Joining
 from .sharing import HERE_MIN, NodeSharing
 from .replication import Router, decode
@@ -98,6 +98,7 @@ class ClusterStore(Joining, NodeSharing, TieredStore):
         self._mirror: Mirror | None = None
         self._shared: dict[str, SharedWord] = {}
         self._lock = threading.Lock()
+        check_environment()
         endpoints, self.cluster = parse_cluster(cluster)
         self._etcd = endpoints
         check_name("cluster name", self.cluster)
