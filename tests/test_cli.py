@@ -912,3 +912,13 @@ def test_real_demo_help():
     r = yrcache("demo", "--help")
     assert r.returncode == 0, r.stderr
     assert "usage" in r.stdout.lower()
+
+
+def test_node_as_a_pure_client_says_why_it_cannot_serve(monkeypatch, capsys):
+    """``YRCACHE_MEMBER=0 yrcache node`` said the store was "already served by another process"
+    (after connecting to etcd), though nothing served it."""
+    monkeypatch.setenv("YRCACHE_ETCD", "127.0.0.1:1")
+    monkeypatch.setenv("YRCACHE_MEMBER", "0")
+    rc, out, err = run_main(capsys, "node")
+    assert rc == 2 and not out
+    one_line(err, "YRCACHE_MEMBER='0'", "pure client", "unset YRCACHE_MEMBER")

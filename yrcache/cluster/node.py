@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Sequence
 
+from .settings import ENV_FALSE
+
 EPILOG = """environment (docs/cluster.md):
   YRCACHE_ETCD        etcd endpoints host:port[,host:port] (required)
   YRCACHE_CLUSTER     cluster name (default: default)
@@ -42,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(list(argv) if argv is not None else None)
     if not os.environ.get("YRCACHE_ETCD"):
         print("yrcache node: set YRCACHE_ETCD=host:port (the etcd endpoints) first", file=sys.stderr)
+        return 2
+    if os.environ.get("YRCACHE_MEMBER", "").strip().lower() in ENV_FALSE:
+        print(f"yrcache node: YRCACHE_MEMBER={os.environ['YRCACHE_MEMBER']!r} makes a process a pure client, "
+              "but this process is the member: unset YRCACHE_MEMBER here", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
