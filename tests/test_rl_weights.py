@@ -269,8 +269,14 @@ def test_staging_buckets(make_store, monkeypatch):
 
 def test_publish_validation_and_wait(make_store):
     store = make_store()
+    for wrong in (None, "policy-store", {}):      # (an AttributeError later, at the first call)
+        for cls in (WeightSubscriber, WeightPublisher):
+            with pytest.raises(TypeError, match="must be a TieredStore"):
+                cls(wrong, "policy")
     sub = WeightSubscriber(store, "policy")
     assert sub.latest() is None and sub.versions() == []
+    with pytest.raises(ValueError, match="number of seconds"):
+        sub.wait(timeout="1")
     with pytest.raises(TimeoutError) as ei:
         sub.wait(timeout=0.01)
     assert "in flight" not in str(ei.value)                     # nothing begun
@@ -295,6 +301,10 @@ def test_publish_validation_and_wait(make_store):
         WeightPublisher(store, "policy", rank=1, world=2).publish({"w": t}, version=1)
     with pytest.raises(KeyError, match="no tensor 'x'"):
         sub.fetch(1, layout={"x": Shard(0, 0, 2)})
+    with pytest.raises(ValueError, match=r"layout\['w'\] for shape \(8, 2\): dim 5 is out of range"):
+        sub.fetch(1, layout={"w": Shard(5, 0, 2)})
+    with pytest.raises(ValueError, match=r"layout\['w'\]: dim 5 is out of range"):
+        p0.publish({"w": t}, version=2, layout={"w": Shard(5, 0, 2)})
     # staleness: v2 in flight (rank 0 only); a caller at v1 is 1 behind the trainer
     p0.publish({"w": t, "r": t}, version=2, layout={"w": Shard(0, 0, 2)})
     with pytest.raises(TimeoutError, match=r"version 2 is in flight, waiting for rank\(s\) 1 of world=2"):

@@ -122,7 +122,7 @@ class Node(tp.Handler):
             if skip is not None:
                 skip()
             return tp.SAME if version == cur else tp.STALE
-        kw = {}
+        kw: dict[str, Any] = {}
         if expire_at or priority or flags >> tp.TIER_SHIFT:
             ttl, tier = _ttl_tier(expire_at, flags)
             kw = {"priority": priority, "ttl": ttl, "tier": tier}

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import codec
 from ..errors import ClusterUnavailableError, StoreClosedError
+from .. import TieredStore
 from .reshard import Part, publish_parts, replicated_parts
 
 #: Keys under this prefix belong to ``yrcache.rl``.
@@ -51,6 +52,9 @@ class VersionBoard:
     """
 
     def __init__(self, store, name: str):
+        if not isinstance(store, TieredStore):
+            raise TypeError(f"the store of weight set {name!r} must be a TieredStore (TieredStore() or "
+                            f"TieredStore.attach(name)), not {type(store).__name__} {store!r:.60}")
         self.store = store
         self.name = _check_name(name)
         self.prefix = f"{RESERVED_PREFIX}{name}/"

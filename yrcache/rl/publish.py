@@ -291,7 +291,10 @@ class WeightPublisher:
                 self._check_key_room(version, nonce, t)
             src = _source(t, value, dtype)
             spec = layout.get(t)
-            dim = None if spec is None else spec.resolve_dim(len(src.shape))
+            try:
+                dim = None if spec is None else spec.resolve_dim(len(src.shape))
+            except ValueError as e:
+                raise ValueError(f"layout[{t!r}]: {e}") from None
             sources.append((t, src, dim))
 
         if any(src.kind == "torch" and src.value.device.type == "cuda" for _, src, _ in sources):

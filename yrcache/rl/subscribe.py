@@ -187,8 +187,9 @@ class WeightSubscriber:
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                           or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be >= 0 seconds or None, got {timeout!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout must be a number of seconds >= 0, or None; got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._wants.fetched:
             self._wants.present()                # the node's other processes: land what they pull
@@ -336,7 +337,11 @@ class WeightSubscriber:
         for name, spec in layout.items():
             if spec is None or isinstance(spec, Shard):
                 t = get(name)
-                targets.append(target(name, [name], _plan_one(t.shape, t.parts, spec, t.itemsize)))
+                try:
+                    plan = _plan_one(t.shape, t.parts, spec, t.itemsize)
+                except ValueError as e:
+                    raise ValueError(f"layout[{name!r}] for shape {t.shape}: {e}") from None
+                targets.append(target(name, [name], plan))
             elif isinstance(spec, Fused):
                 srcs = [get(s) for s in spec.sources]
                 if len({(s.kind, s.dtype) for s in srcs}) != 1:
