@@ -131,7 +131,7 @@ class Joining:
             membership.close()                       # the others drop us now: no new writes come
             time.sleep(LEAVE_SETTLE_S)               # (but from those that have not seen that yet)
             if node.forwarder.wait(HANDOVER_S / 4, give_up):
-                log.info("handed over; %d objects left here", len(node.versions))
+                log.info("handed over: every one of the %d objects here is on its other owners", n)
                 return
         log.warning("leaving with %d objects not handed over (%s); those with no copy on another "
                     "member are lost", node.forwarder.pending(),
