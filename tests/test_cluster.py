@@ -1370,3 +1370,16 @@ def test_a_batch_takes_consecutive_versions_after_everything_before_it():
     after = clock.next()[0]
     assert before < first and first + (1 << 20) - 1 < after
     assert clock.next_many(0) > after                  # an empty batch still moves on
+
+
+def test_attaching_to_a_member_of_another_cluster_is_refused(harness):
+    """A process of a node set up with the wrong YRCACHE_CLUSTER attached to the node's
+    arena as "attached of 0 members", and every put failed with "the cluster has no members
+    yet"."""
+    (a,) = harness.start(1)
+    wrong = f"etcd://{harness.etcd.endpoint}/{harness.cluster}-other"
+    with pytest.raises(ValueError, match=f"served by member {a.member_id!r} of cluster {harness.cluster!r}.*"
+                                         f"YRCACHE_CLUSTER={harness.cluster}"):
+        TieredStore(name=a.name, cluster=wrong, lease_ttl=TTL)
+    with TieredStore(name=a.name, cluster=f"etcd://{harness.etcd.endpoint}/{harness.cluster}", lease_ttl=TTL) as s:
+        assert s.role == "attached"

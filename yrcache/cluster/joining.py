@@ -144,6 +144,12 @@ class Joining:
         while True:
             cfg = self._local._a.read_config() or {}
             if cfg.get("cluster_member"):
+                if cfg.get("cluster", self.cluster) != self.cluster:
+                    raise ValueError(
+                        f"store {self.name!r} on this machine is served by member {cfg['cluster_member']!r} "
+                        f"of cluster {cfg['cluster']!r}, but this process joins cluster {self.cluster!r}: "
+                        f"set YRCACHE_CLUSTER={cfg['cluster']} (or cluster='etcd://.../{cfg['cluster']}'), "
+                        "or another YRCACHE_NAME")
                 return str(cfg["cluster_member"])
             if time.monotonic() > end:
                 raise ClusterUnavailableError(
