@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreClosedError
 from .catchup import REJOIN_SETTLE_S, ask_have, drop_stale
-from .replication import REPAIR_S, SETTLE_S, Version
+from .replication import MOVING_S, REPAIR_S, SETTLE_S, Version
 
 if TYPE_CHECKING:
     from .member import Node
@@ -177,6 +177,10 @@ class Rebalancer(_Worker):
                     deleted.add(k)
         moved = 0
         settled = me in router.members
+        # A reader whose ring is older than ours (its watch is behind) still asks us first:
+        # surplus copies go once readers have had MOVING_S to see the member set change.
+        keep_surplus = router.moving()
+        kept = False
         for k, v in mine:
             targets = tuple(missing.get(k, ()))
             if k in deleted:
@@ -185,7 +189,15 @@ class Rebalancer(_Worker):
                 node.forwarder.add(k, v, targets)
                 moved += 1
             elif not incomplete and settled and _surplus(node, k):
-                node.drop_if(k, v)           # every owner has it: our copy is surplus
+                if keep_surplus:
+                    kept = True
+                else:
+                    node.drop_if(k, v)       # every owner has it: our copy is surplus
+        if kept:                             # a full pass again once the moment has passed
+            with self._cv:
+                self._full = True
+                self._due = min(self._due or math.inf, router.moved_at + MOVING_S + 0.1)
+                self._cv.notify_all()
         self.under_replicated = moved          # an incremental pass follows one that found none
         self.passes += 1
         self.full_passes += full
