@@ -205,10 +205,29 @@ def cmd_destroy(args: argparse.Namespace) -> int:
             raise CliError(f"{e}; yrcache never made {display_key(path)}: if it is yours and nothing uses "
                            "it, remove it with rm", EXIT_USAGE) from None
         raise CliError(str(e), EXIT_USAGE) from None
+    users = _mapped_by(dram.seg_path(args.name))
     if not dram.destroy(args.name):
         raise CliError(f"no store named {args.name!r} on this node; `yrcache list` shows the stores here")
     print(f"destroyed {args.name}")
+    if users:
+        print(f"yrcache: warning: {len(users)} running process(es) map {args.name!r} (pid {', '.join(users[:8])}): "
+              "they keep using it, but a process started now makes a new, empty store of that name; to "
+              "stop a `yrcache node`, send it SIGTERM instead (it hands its objects over)", file=sys.stderr)
     return 0
+
+
+def _mapped_by(path: str) -> list[str]:
+    """The pids of other processes that map ``path`` (those whose maps this user may read)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    if any(line.rstrip().endswith(path) for line in f):
+                        pids.append(pid)
+            except OSError:
+                continue
+    return pids
 
 
 # ------------------------------------------------------------------- get
