@@ -180,8 +180,8 @@ class TieredStore(StoreOps, MutableMapping[str, Value]):
         arena.take_ownership()
         if asked is not None and asked != arena.size:
             warnings.warn(
-                f"store {self.name!r} already exists (its owner died) and was adopted with its own "
-                f"size, {format_size(arena.size)}, not the {format_size(asked)} asked for; "
+                f"store {self.name!r} already exists (its owner closed it persistent, or died) and was "
+                f"adopted with its own size, {format_size(arena.size)}, not the {format_size(asked)} asked for; "
                 f"to resize it, copy what you need, then destroy it (`yrcache destroy {self.name}`) "
                 "and create it again", UserWarning, stacklevel=3)
 
