@@ -834,6 +834,16 @@ def test_requests_waiting_on_a_hung_member_fail_over_when_its_lease_ends(harness
         assert int(c[single][0]) == 3
 
 
+def test_repair_passes_can_be_turned_off(monkeypatch):
+    from yrcache.cluster.settings import check_environment, env_seconds
+
+    monkeypatch.setenv("YRCACHE_REPAIR_S", "inf")
+    check_environment()                                 # (inf was refused for a while)
+    assert env_seconds("YRCACHE_REPAIR_S", 30.0, True) == float("inf")
+    with pytest.raises(ValueError, match="give a number of seconds > 0"):
+        env_seconds("YRCACHE_REPAIR_S", 30.0)          # where "never" makes no sense
+
+
 @pytest.mark.parametrize("var,raw,says", [("YRCACHE_MEMBER", "maybe", "is not a yes/no value"),
                                           ("YRCACHE_LEASE_TTL", "abc", "is not a number of seconds"),
                                           ("YRCACHE_LEASE_TTL", "0", "give a number of seconds > 0"),
@@ -1007,6 +1017,33 @@ def test_a_member_back_after_its_lease_ran_out_serves_no_old_copies(etcd, tmp_pa
             writer.join(30)
         assert acked[0] > 10
         assert not wrong, wrong[:20]
+
+
+def test_old_owners_keep_moved_keys_until_readers_can_know_the_new_member(etcd, tmp_path):
+    """After a join, a reader whose watch has not shown it the new member yet asks a key's
+    old owner: old owners keep their copies of moved keys for ``MOVING_S`` after the change
+    (the forwarder dropped each one the moment it was handed over: 300 copies fell to
+    their owners' share within 0.3 s of a join), then drop them."""
+    from yrcache.cluster.replication import MOVING_S
+
+    with ClusterHarness(etcd, tmp_path, YRCACHE_REPLICAS="1") as h:
+        h.start(2)
+        with h.client(replicas=1) as c:
+            h.wait_members(c, 2)
+            keys = [f"m/{i}" for i in range(300)]
+            c.mset({k: value(i) for i, k in enumerate(keys)})
+            (new,) = h.start(1)
+            h.wait_members(c, 3)
+            t0 = time.monotonic()
+            theirs = [k for k in keys if c.owners(k) == [new.member_id]]
+            assert len(theirs) > 30
+            wait_for(lambda: set(theirs) <= set(new.keys()), 10, "the new member's keys")
+            copies = h.copies()
+            if time.monotonic() - t0 < MOVING_S - 1:
+                assert all(copies[k] == 2 for k in theirs), sorted(copies.items())[:5]   # old owners too
+            wait_for(lambda: all(h.copies().get(k) == 1 for k in keys), MOVING_S + 15, "one copy of each")
+            assert time.monotonic() - t0 > MOVING_S - 3         # (t0: when this client saw the join)
+            assert [int(v[0]) for v in c.mget(keys)] == list(range(300))
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -37,7 +37,8 @@ class Node:
         self.single: set[str] = set()
         self.reads: list[str] = []
         self.peer = Peer()
-        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None})
+        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None},
+                                            moving=lambda: False)
         self.local = types.SimpleNamespace(info=lambda key: {})
 
     def read(self, key):

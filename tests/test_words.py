@@ -255,6 +255,7 @@ def test_a_word_wait_takes_any_timeout(make_store, client):
         assert w.wait(seen, big) is True and time.monotonic() - start >= 0.25, big
         t.join()
     assert w.wait(w.seq, -1) is False and w.wait(w.seq, 0) is False
+    assert w.wait(w.seq, np.float32(0.01)) is False and w.wait(w.seq, np.int64(0)) is False   # numpy scalars
     with pytest.raises(ValueError, match="NaN"):
         w.wait(w.seq, float("nan"))
     with pytest.raises(TypeError, match="number of seconds"):

@@ -6,6 +6,7 @@ rule (docs: README, "Semantics worth knowing").
 
 from __future__ import annotations
 
+import numbers
 import operator
 import time
 from collections.abc import Iterable, Mapping
@@ -141,8 +142,9 @@ def wait_seconds(value: float | None) -> float | None:
     None for no limit (also for ``inf`` and anything over ``FOREVER_S``)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):      # (numpy scalars too)
         raise TypeError(f"timeout must be a number of seconds or None, not {type(value).__name__} {value!r}")
+    value = float(value)
     if value != value:
         raise ValueError("timeout is NaN: give a number of seconds, or None to wait as long as it takes")
     return None if value > FOREVER_S else max(float(value), 0.0)

@@ -150,6 +150,14 @@ class Rebalancer(_Worker):
                     "others had written past or deleted meanwhile were dropped", dropped)
         done()
 
+    def after_moving(self) -> None:
+        """A full pass again once the member set has been still for ``MOVING_S`` (surplus
+        copies were kept: a reader whose watch is behind may still ask this member first)."""
+        with self._cv:
+            self._full = True
+            self._due = min(self._due or math.inf, self.node.router.moved_at + MOVING_S + 0.1)
+            self._cv.notify_all()
+
     def run_pass(self, full: bool = True) -> bool:
         """One pass over the local objects (``full`` False: only those written since the
         last pass began, less ``SKEW_S``); True if something still needs doing."""
@@ -193,11 +201,8 @@ class Rebalancer(_Worker):
                     kept = True
                 else:
                     node.drop_if(k, v)       # every owner has it: our copy is surplus
-        if kept:                             # a full pass again once the moment has passed
-            with self._cv:
-                self._full = True
-                self._due = min(self._due or math.inf, router.moved_at + MOVING_S + 0.1)
-                self._cv.notify_all()
+        if kept:
+            self.after_moving()
         self.under_replicated = moved          # an incremental pass follows one that found none
         self.passes += 1
         self.full_passes += full

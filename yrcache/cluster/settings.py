@@ -64,11 +64,13 @@ def env_bool(name: str, default: bool) -> bool:
     return _env(name, default, _yes_no, "a yes/no value: use 1/0, true/false, yes/no or on/off")
 
 
-def env_seconds(name: str, default: float) -> float:
-    """The number of seconds (> 0) in the environment variable ``name``, ``default`` when unset."""
+def env_seconds(name: str, default: float, forever: bool = False) -> float:
+    """The number of seconds (> 0) in the environment variable ``name``, ``default`` when unset
+    (``forever``: ``inf`` too)."""
     value = _env(name, default, float, "a number of seconds")
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name}={os.environ[name]!r}: give a number of seconds > 0")
+    if not 0 < value < float("inf") and not (forever and value == float("inf")):
+        raise ValueError(f"{name}={os.environ[name]!r}: give a number of seconds > 0"
+                         + (" (or inf: never)" if forever else ""))
     return value
 
 
@@ -85,7 +87,7 @@ def read_at_import(read: Callable[..., Any], name: str, default: Any, *args: Any
 def check_environment() -> None:
     """Refuse malformed settings that modules read at import (``read_at_import``)."""
     from ..sizes import env_size
-    env_seconds("YRCACHE_REPAIR_S", 30.0)
+    env_seconds("YRCACHE_REPAIR_S", 30.0, True)
     env_size("YRCACHE_REBALANCE_RATE", 1 << 30, 1)
     env_size("YRCACHE_RECV_POOL", 512 << 20)
     env_int("YRCACHE_POLL_US", 100, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 import time
 from collections import OrderedDict
@@ -187,7 +188,7 @@ class WeightSubscriber:
         if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
                                           or max_staleness < 0):
             raise ValueError(f"max_staleness must be an int >= 0 or None, got {max_staleness!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
                                     or not timeout >= 0):
             raise ValueError(f"timeout must be a number of seconds >= 0, or None; got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
