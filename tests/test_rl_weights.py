@@ -252,6 +252,22 @@ def test_a_forked_child_takes_pooled_buffers_while_the_parent_holds_the_pool():
     assert child.exitcode == 0
 
 
+def test_a_forked_child_runs_rl_work_on_threads_of_its_own():
+    """rl's thread pool (a cluster publish's sends, a fetch's pulls) was the parent's in a
+    forked child, whose copy has none of its threads: the child's first publish over a store
+    it opened itself hung forever."""
+    from yrcache.rl.remote import pool
+    assert pool().submit(lambda: 1).result(timeout=10) == 1     # the parent's pool, with threads
+    ctx = multiprocessing.get_context("fork")
+    child = ctx.Process(target=lambda: os._exit(0 if pool().submit(lambda: 7).result(timeout=10) == 7 else 1))
+    child.start()
+    child.join(20)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    assert child.exitcode == 0
+
+
 def test_staging_buckets(make_store, monkeypatch):
     """Casting destinations are gathered through reused host buckets (small here: many refills)."""
     monkeypatch.setattr(W, "BUCKET_BYTES", 1024)

@@ -74,8 +74,9 @@ class WordWatch(Membership):
 
 #: Why a cluster store's etcd-backed parts do not work in a forked child.
 FORKED = ("this process was forked from the one that opened the cluster store, and etcd's client "
-          "does not survive a fork: open the store in this process (TieredStore() with the same "
-          "environment attaches to the node), or start workers with 'spawn'")
+          "(gRPC) does not survive a fork: start workers with the 'spawn' or 'forkserver' method and "
+          "open the store there (a forked child of a process attached to a node waits through the "
+          "node's arena: only a pure client's child cannot)")
 
 
 class ProcessWord:

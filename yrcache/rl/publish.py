@@ -229,6 +229,7 @@ class WeightPublisher:
         self._structures: dict[tuple, bytes] = {}     # manifests' shapes -> merged structure
         self._nonce = ("", 0)            # (nonce, pid): one per publisher and process
         self._swept: int | None = None   # member_changes at the last look for unmarked versions
+        self._unmarked: set[int] = set()  # versions only a listing of parts found, too new to retire yet
         #: Over a cluster, how long a publish that fails for want of a member (one died and
         #: stays in the ring until its lease expires) waits for the member set to change and
         #: tries again; None: two lease TTLs and a second; 0: it raises at once.
@@ -487,18 +488,21 @@ class WeightPublisher:
 
     def _reclaim(self) -> None:
         done = self.board.complete_versions()
-        if len(done) <= self.keep:
+        if len(done) < self.keep:
             return
-        threshold = done[-self.keep]
-        # A member that died took the markers it held: once per member-set change, and at
-        # the first reclaim, look for versions that have parts left and no marker.
+        threshold = done[-self.keep]    # (with keep complete: abandoned and lost older ones go)
+        # A member that died took the markers it held: once per member-set change (and at the
+        # first reclaim) the parts themselves are listed, and the versions found that way that
+        # are too new to go yet are remembered until they are.
         changes = self._member_changes()
         sweep = changes is not None and changes != self._swept
-        for v in self.board.versions(done, parts=sweep):
-            if v < threshold:
-                self.board.retire(v)
         if sweep:
             self._swept = changes
+        found = set(self.board.versions(done, parts=sweep)) | self._unmarked
+        for v in sorted(found):
+            if v < threshold:
+                self.board.retire(v)
+        self._unmarked = {v for v in found if v >= threshold} - set(done)
 
     def latest(self) -> int | None:
         """The newest complete version of this weight set, or None."""
