@@ -236,20 +236,24 @@ def test_large_results_reuse_pooled_pages_and_stay_private(make_store):
     assert one["a"].flags.writeable and one["w"].is_contiguous()
 
 
+def _forked_child_succeeds(check) -> bool:
+    """Fork a child that exits 0 when ``check()`` is true; False if it fails or hangs (20 s)."""
+    child = multiprocessing.get_context("fork").Process(target=lambda: os._exit(0 if check() else 1))
+    child.start()
+    child.join(20)
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+    return child.exitcode == 0
+
+
 def test_a_forked_child_takes_pooled_buffers_while_the_parent_holds_the_pool():
     """A child forked while another thread of the parent held the pool's lock (here the
     parent itself holds it across the fork) still gets buffers: a DataLoader worker forked
     mid-fetch must not hang in its first fetch."""
     from yrcache import buffers
-    ctx = multiprocessing.get_context("fork")
     with buffers.POOL._lock:
-        child = ctx.Process(target=lambda: os._exit(0 if len(buffers.POOL.take(3 << 20)) == 3 << 20 else 1))
-        child.start()
-    child.join(20)
-    if child.exitcode is None:
-        child.kill()
-        child.join()
-    assert child.exitcode == 0
+        assert _forked_child_succeeds(lambda: len(buffers.POOL.take(3 << 20)) == 3 << 20)
 
 
 def test_a_forked_child_runs_rl_work_on_threads_of_its_own():
@@ -258,14 +262,7 @@ def test_a_forked_child_runs_rl_work_on_threads_of_its_own():
     it opened itself hung forever."""
     from yrcache.rl.remote import pool
     assert pool().submit(lambda: 1).result(timeout=10) == 1     # the parent's pool, with threads
-    ctx = multiprocessing.get_context("fork")
-    child = ctx.Process(target=lambda: os._exit(0 if pool().submit(lambda: 7).result(timeout=10) == 7 else 1))
-    child.start()
-    child.join(20)
-    if child.exitcode is None:
-        child.kill()
-        child.join()
-    assert child.exitcode == 0
+    assert _forked_child_succeeds(lambda: pool().submit(lambda: 7).result(timeout=10) == 7)
 
 
 def test_staging_buckets(make_store, monkeypatch):
