@@ -37,8 +37,8 @@ class Node:
         self.single: set[str] = set()
         self.reads: list[str] = []
         self.peer = Peer()
-        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None},
-                                            moving=lambda: False)
+        self.router = types.SimpleNamespace(peer=lambda m: self.peer, members={"me": None, "b": None})
+        self.rebalancer = types.SimpleNamespace(drop_surplus=lambda surplus: [self.drop_if(*s) for s in surplus])
         self.local = types.SimpleNamespace(info=lambda key: {})
 
     def read(self, key):

@@ -487,17 +487,13 @@ class Forwarder(_Worker):
         del per_target
         retry = []
         settled = node.member_id in router.members
-        moving, kept = router.moving(), False
+        surplus = []
         for key, version in held:
             if key in failed:
                 retry.append((key, version))
             elif key in stale:
                 node.drop_if(key, version)      # an owner holds a newer one
             elif settled and _surplus(node, key):
-                if moving:                      # readers that have not seen the new ring ask us:
-                    kept = True                 # it goes with the rebalancer's pass after the move
-                else:
-                    node.drop_if(key, version)  # handed over: nothing stays on a member that no longer owns it
-        if kept:
-            node.rebalancer.after_moving()
+                surplus.append((key, version))  # handed over: nothing stays on a member that no longer owns it
+        node.rebalancer.drop_surplus(surplus)
         return retry

@@ -150,9 +150,16 @@ class Rebalancer(_Worker):
                     "others had written past or deleted meanwhile were dropped", dropped)
         done()
 
-    def after_moving(self) -> None:
-        """A full pass again once the member set has been still for ``MOVING_S`` (surplus
-        copies were kept: a reader whose watch is behind may still ask this member first)."""
+    def drop_surplus(self, surplus: list[tuple[str, Version]]) -> None:
+        """Drop this member's copies of keys every owner holds. Within ``MOVING_S`` of a
+        member-set change a reader whose ring is older than ours (its watch is behind) still
+        asks us first: then they stay, and a full pass runs again once the moment has passed."""
+        if not surplus:
+            return
+        if not self.node.router.moving():
+            for k, v in surplus:
+                self.node.drop_if(k, v)
+            return
         with self._cv:
             self._full = True
             self._due = min(self._due or math.inf, self.node.router.moved_at + MOVING_S + 0.1)
@@ -185,10 +192,7 @@ class Rebalancer(_Worker):
                     deleted.add(k)
         moved = 0
         settled = me in router.members
-        # A reader whose ring is older than ours (its watch is behind) still asks us first:
-        # surplus copies go once readers have had MOVING_S to see the member set change.
-        keep_surplus = router.moving()
-        kept = False
+        surplus = []
         for k, v in mine:
             targets = tuple(missing.get(k, ()))
             if k in deleted:
@@ -197,12 +201,8 @@ class Rebalancer(_Worker):
                 node.forwarder.add(k, v, targets)
                 moved += 1
             elif not incomplete and settled and _surplus(node, k):
-                if keep_surplus:
-                    kept = True
-                else:
-                    node.drop_if(k, v)       # every owner has it: our copy is surplus
-        if kept:
-            self.after_moving()
+                surplus.append((k, v))       # every owner has it: our copy is surplus
+        self.drop_surplus(surplus)
         self.under_replicated = moved          # an incremental pass follows one that found none
         self.passes += 1
         self.full_passes += full
